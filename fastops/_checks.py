@@ -1,0 +1,84 @@
+"""Argument checks shared by the Python backends (reference, Triton). The C++ backends check the same
+conditions with TORCH_CHECK and the same wording, so a bad call fails the same way on every backend."""
+
+from __future__ import annotations
+
+import torch
+
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the elements fill one block of memory, in any dimension order
+    (contiguous, channels_last, transposed). The kernels walk that block flat."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for d in sorted(range(t.dim()), key=lambda d: t.stride(d)):
+        if t.size(d) == 1:
+            continue
+        if t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return True
+
+
+def check_dense(t: torch.Tensor, what: str) -> None:
+    if t.is_sparse or t.layout != torch.strided:
+        raise RuntimeError(f"fastops: {what} is sparse; only dense (strided) tensors are supported")
+    if t.is_complex():
+        raise RuntimeError(f"fastops: {what} is complex; complex tensors are not supported")
+    if not is_dense(t):
+        raise RuntimeError(
+            f"fastops: {what} is not contiguous (its memory is strided with gaps or overlaps); "
+            "fused kernels walk the tensor's memory as one block"
+        )
+
+
+def check_like(t: torch.Tensor, ref: torch.Tensor, what: str, ref_what: str, dtype: torch.dtype | None) -> None:
+    if t.shape != ref.shape:
+        raise RuntimeError(f"fastops: {what} has shape {tuple(t.shape)} but {ref_what} has shape {tuple(ref.shape)}")
+    want = ref.dtype if dtype is None else dtype
+    if t.dtype != want:
+        raise RuntimeError(f"fastops: {what} has dtype {t.dtype} but must be {want} (as {ref_what})")
+    if t.device != ref.device:
+        raise RuntimeError(f"fastops: {what} is on {t.device} but {ref_what} is on {ref.device}")
+    if t.numel() > 1 and t.stride() != ref.stride():
+        raise RuntimeError(f"fastops: {what} has strides {t.stride()} but {ref_what} has strides {ref.stride()}")
+
+
+def check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad) -> None:
+    n = len(params)
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "state_steps": state_steps}
+    if amsgrad:
+        lists["max_exp_avg_sqs"] = max_exp_avg_sqs
+    elif len(max_exp_avg_sqs):
+        raise RuntimeError("fastops.adam_step_: max_exp_avg_sqs must be empty when amsgrad=False")
+    if len(master_params):
+        lists["master_params"] = master_params
+    for name, lst in lists.items():
+        if len(lst) != n:
+            raise RuntimeError(f"fastops.adam_step_: expected {n} {name} (one per param), got {len(lst)}")
+    for i, p in enumerate(params):
+        check_dense(p, f"params[{i}]")
+        if p.dtype not in _FLOAT:
+            raise RuntimeError(f"fastops.adam_step_: params[{i}] has dtype {p.dtype}; expected float32, bfloat16 or float16")
+        if p.device != params[0].device:
+            raise RuntimeError(f"fastops.adam_step_: params[{i}] is on {p.device} but params[0] is on {params[0].device}")
+        check_dense(grads[i], f"grads[{i}]")
+        check_like(grads[i], p, f"grads[{i}]", f"params[{i}]", None)
+        for name in ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "master_params"):
+            if name in lists:
+                check_like(lists[name][i], p, f"{name}[{i}]", f"params[{i}]", torch.float32)
+        s = state_steps[i]
+        if s.numel() != 1 or s.dtype != torch.float32:
+            raise RuntimeError(f"fastops.adam_step_: state_steps[{i}] must be a float32 tensor with one element")
+
+
+def check_grads(grads, op: str) -> None:
+    for i, g in enumerate(grads):
+        check_dense(g, f"grads[{i}]")
+        if g.dtype not in _FLOAT:
+            raise RuntimeError(f"fastops.{op}: grads[{i}] has dtype {g.dtype}; expected float32, bfloat16 or float16")
+        if g.device != grads[0].device:
+            raise RuntimeError(f"fastops.{op}: grads[{i}] is on {g.device} but grads[0] is on {grads[0].device}")

@@ -1,0 +1,83 @@
+"""Pure-PyTorch implementations of every fastops op: the fallback when no compiled backend loads, and
+the oracle the other backends are tested against. Written for clarity, not speed; they read
+``found_inf``/``lr`` on the host, so they sync on CUDA.
+
+For fp32 params the Adam step uses the same operations in the same order as torch.optim.Adam's
+for-loop implementation (``foreach=False``), so the two agree bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import check_adam_args, check_grads
+
+
+@torch.no_grad()
+def adam_step_(
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params,
+    lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, grad_scale, found_inf,
+):  # fmt: skip
+    check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad)
+    if found_inf is not None and found_inf.item() != 0:
+        return
+    lr = float(lr.item())
+    for i, param in enumerate(params):
+        step_t = state_steps[i]
+        step_t += 1
+        p = master_params[i] if master_params else (param if param.dtype == torch.float32 else param.float())
+        grad = grads[i] if grads[i].dtype == torch.float32 else grads[i].float()
+        if grad_scale is not None:
+            grad = grad / grad_scale.to(grad.device)
+        if maximize:
+            grad = -grad
+        if weight_decay != 0:
+            if decoupled:
+                p.mul_(1 - lr * weight_decay)
+            else:
+                grad = grad.add(p, alpha=weight_decay)
+        exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+
+        step = step_t.item()
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = math.sqrt(bias_correction2)
+        if amsgrad:
+            torch.maximum(max_exp_avg_sqs[i], exp_avg_sq, out=max_exp_avg_sqs[i])
+            denom = (max_exp_avg_sqs[i].sqrt() / bias_correction2_sqrt).add_(eps)
+        else:
+            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        p.addcdiv_(exp_avg, denom, value=-step_size)
+        if p is not param:
+            param.copy_(p)
+
+
+@torch.no_grad()
+def unscale_check_(grads, found_inf, inv_scale):
+    check_grads(grads, "unscale_check_")
+    for g in grads:
+        if g.numel() and not torch.isfinite(g).all():
+            found_inf.fill_(1.0)
+        # fp16/bf16 grads are scaled in fp32 and rounded once, as torch's AMP kernel does.
+        g.copy_(g.float() * inv_scale.to(g.device))
+
+
+@torch.no_grad()
+def grad_stats(grads):
+    if len(grads) == 0:
+        raise RuntimeError("fastops.grad_stats: needs at least one tensor")
+    check_grads(grads, "grad_stats")
+    out = torch.zeros(3, dtype=torch.float32, device=grads[0].device)
+    for g in grads:
+        if g.numel() == 0:
+            continue
+        g32 = g.float()
+        finite = torch.isfinite(g32).all()
+        out[0] += g32.square().sum()
+        out[1] = torch.maximum(out[1], g32.abs().max())
+        out[2] = torch.maximum(out[2], (~finite).float())
+    return out
