@@ -1,0 +1,25 @@
+import os
+
+import torch
+
+# The Triton backend is tested on CPU tensors through the interpreter, which must be switched on before
+# triton is first imported. On a GPU machine the real compiler runs instead.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from fastops import _backend  # noqa: E402
+
+CPU_BACKENDS = ("cpp", "triton", "reference")
+
+
+@pytest.fixture(params=CPU_BACKENDS)
+def cpu_backend(request):
+    """Serve CPU tensors with each CPU backend in turn. A backend that fails to load fails the test."""
+    with _backend.use("cpu", request.param):
+        yield request.param
+
+
+def devices():
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -1,0 +1,241 @@
+"""torch.ops.fastops.* on every CPU backend against the reference, opcheck, and the backend choice."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastops  # noqa: F401  (registers the ops)
+from fastops import _backend, reference
+
+ops = torch.ops.fastops
+BIG = 10**6 + 7
+
+
+def _sizes(backend):
+    # The Triton interpreter is ~1e5 elements/s: it gets the odd small sizes, the others also 10^6+7.
+    return [0, 1, 1023, 5000] if backend == "triton" else [0, 1, 1023, BIG]
+
+
+def adam_inputs(sizes, dtype=torch.float32, amsgrad=False, master=False, seed=0, scale=None, found_inf=None, lr=1e-2):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    grads = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    exp_avgs = [torch.randn(n, generator=g).mul_(0.1) for n in sizes]
+    exp_avg_sqs = [torch.rand(n, generator=g).mul_(0.01) for n in sizes]
+    max_sqs = [v + 0.001 * (i % 2) for i, v in enumerate(exp_avg_sqs)] if amsgrad else []
+    steps = [torch.tensor(float(3 + i), dtype=torch.float32) for i in range(len(sizes))]
+    masters = [p.float() + 1e-3 for p in params] if master else []
+    return [params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters, torch.tensor(lr, dtype=torch.float64),
+            0.9, 0.999, 1e-8, 0.1, amsgrad, False, True, scale, found_inf]
+
+
+def _clone(args):
+    return [[t.clone() for t in a] if isinstance(a, list) else (a.clone() if isinstance(a, torch.Tensor) else a) for a in args]
+
+
+# Tolerance per param dtype against the reference, after one step from the same inputs.
+# fp32: both compute in fp32 and differ only in operation order / fused multiply-adds: a few ulps.
+# bf16/fp16 params: the update is computed in fp32 and rounded once; a few-ulp fp32 difference can flip the
+# final rounding, so one ulp of the param dtype is allowed (bf16 2^-7 relative, fp16 2^-10).
+TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (2**-7, 1e-5), torch.float16: (2**-10, 1e-5)}
+
+
+def _assert_adam_close(got, want, dtype):
+    rtol, atol = TOL[dtype]
+    for k in (0, 2, 3, 4, 6):  # params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters
+        for a, b in zip(got[k], want[k]):
+            r, t = (rtol, atol) if k == 0 else TOL[torch.float32]
+            torch.testing.assert_close(a, b, rtol=r, atol=t)
+    for a, b in zip(got[5], want[5]):
+        assert a.item() == b.item()
+    for a, b in zip(got[1], want[1]):
+        assert torch.equal(a, b), "grads are read-only"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("amsgrad,master", [(False, False), (True, False), (False, True), (True, True)])
+def test_adam_step_matches_reference(cpu_backend, dtype, amsgrad, master):
+    args = adam_inputs(_sizes(cpu_backend), dtype, amsgrad, master)
+    want = _clone(args)
+    ops.adam_step_(*args)
+    reference.adam_step_(*want)
+    _assert_adam_close(args, want, dtype)
+
+
+@pytest.mark.parametrize("maximize,decoupled,wd", [(True, True, 0.1), (False, False, 0.1), (True, False, 0.0)])
+def test_adam_step_flags_and_grad_scale(cpu_backend, maximize, decoupled, wd):
+    args = adam_inputs([1023, 7], scale=torch.tensor(64.0))
+    args[13], args[14], args[11] = maximize, decoupled, wd
+    want = _clone(args)
+    ops.adam_step_(*args)
+    reference.adam_step_(*want)
+    _assert_adam_close(args, want, torch.float32)
+
+
+def test_adam_step_mixed_dtypes_in_one_call(cpu_backend):
+    a32 = adam_inputs([100], torch.float32, seed=1)
+    a16 = adam_inputs([33], torch.bfloat16, seed=2)
+    args = [x + y if isinstance(x, list) else x for x, y in zip(a32, a16)]
+    want = _clone(args)
+    ops.adam_step_(*args)
+    reference.adam_step_(*want)
+    _assert_adam_close(args, want, torch.bfloat16)
+
+
+def test_adam_step_found_inf_changes_nothing(cpu_backend):
+    args = adam_inputs([1023, 5], amsgrad=True, master=True, found_inf=torch.tensor(1.0), scale=torch.tensor(8.0))
+    before = _clone(args)
+    ops.adam_step_(*args)
+    for got, want in zip(args[:7], before[:7]):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+def test_adam_step_50_steps_match_reference(cpu_backend):
+    args = adam_inputs([1023, 1, 300], amsgrad=True)
+    want = _clone(args)
+    for step in range(50):
+        g = torch.Generator().manual_seed(step)
+        for a, b in zip(args[1], want[1]):
+            a.copy_(torch.randn(a.shape, generator=g))
+            b.copy_(a)
+        ops.adam_step_(*args)
+        reference.adam_step_(*want)
+    _assert_adam_close(args, want, torch.float32)
+
+
+def _grads_with(sizes, dtype, poison=None, where="first", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(n, generator=g).mul_(3).to(dtype) for n in sizes]
+    if poison is not None:
+        target = next(t for t in (grads if where == "first" else reversed(grads)) if t.numel())
+        target[0 if where == "first" else -1] = poison
+    return grads
+
+
+POISONS = [None, float("inf"), float("-inf"), float("nan")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("poison", POISONS, ids=str)
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_unscale_check_matches_reference(cpu_backend, dtype, poison, where):
+    grads = _grads_with(_sizes(cpu_backend), dtype, poison, where)
+    want = [t.clone() for t in grads]
+    found, found_ref = torch.zeros(1), torch.zeros(1)
+    inv = torch.tensor(1 / 1024.0)
+    ops.unscale_check_(grads, found, inv)
+    reference.unscale_check_(want, found_ref, inv)
+    assert found.item() == found_ref.item() == (0.0 if poison is None else 1.0)
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    # found_inf is only ever set, never cleared
+    ops.unscale_check_(_grads_with([5], dtype), found, inv)
+    assert found.item() == found_ref.item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("poison", POISONS, ids=str)
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_grad_stats_matches_reference(cpu_backend, dtype, poison, where):
+    grads = _grads_with(_sizes(cpu_backend), dtype, poison, where)
+    got, want = ops.grad_stats(grads), reference.grad_stats(grads)
+    assert got.dtype == torch.float32 and got.shape == (3,)
+    assert got[2].item() == want[2].item() == (0.0 if poison is None else 1.0)
+    if poison is None:
+        # fp32 sums over 10^6 elements in a different order: relative error ~ sqrt(n) * 2^-24 ~ 1e-4 worst case
+        torch.testing.assert_close(got[:2], want[:2], rtol=1e-4, atol=0)
+        exact = torch.cat([t.double().flatten() for t in grads])
+        assert abs(got[0].item() - exact.square().sum().item()) <= 1e-4 * exact.square().sum().item()
+
+
+def test_grad_stats_no_overflow_for_large_finite_fp16():
+    grads = [torch.full((4096,), 60000.0, dtype=torch.float16)]
+    out = ops.grad_stats(grads)
+    assert out[2].item() == 0 and torch.isfinite(out[0])
+    assert out[0].item() == pytest.approx(4096 * 60000.0**2, rel=1e-6)
+
+
+def _adam_sample_inputs():
+    yield adam_inputs([7, 1, 0])
+    yield adam_inputs([5, 3], torch.bfloat16, amsgrad=True, master=True, scale=torch.tensor(2.0), found_inf=torch.tensor(0.0))
+
+
+@pytest.mark.parametrize("backend", ["cpp", "reference"])
+def test_opcheck(backend):
+    with _backend.use("cpu", backend):
+        for args in _adam_sample_inputs():
+            torch.library.opcheck(ops.adam_step_.default, tuple(args))
+        torch.library.opcheck(ops.unscale_check_.default, (_grads_with([5, 3], torch.float16), torch.zeros(1), torch.tensor(0.5)))
+        torch.library.opcheck(ops.grad_stats.default, (_grads_with([5, 0, 3], torch.bfloat16),))
+
+
+def test_schemas_live_in_the_registry():
+    from fastops import _ops
+
+    for name, schema in _ops.SCHEMAS.items():
+        assert str(getattr(ops, name).default._schema) == f"fastops::{schema}"
+
+
+def _run_python(code: str, **env):
+    full_env = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=120)
+
+
+BLOCK_C = "import sys; sys.modules['fastops._C'] = None\n"
+
+
+def test_fallback_when_extension_is_missing_warns_once():
+    code = BLOCK_C + (
+        "import warnings, torch\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    import fastops\n"
+        "    p = torch.nn.Parameter(torch.ones(3)); opt = fastops.optim.AdamW([p])\n"
+        "    for _ in range(3):\n"
+        "        p.grad = torch.ones(3); opt.step()\n"
+        "msgs = [str(x.message) for x in w if 'fastops' in str(x.message)]\n"
+        "assert len(msgs) == 1, msgs\n"
+        "assert 'reference' in msgs[0] and 'fastops._C' in msgs[0], msgs\n"
+        "assert fastops._backend.active('cpu') == 'reference'\n"
+        "assert (p < 1).all()\n"
+    )
+    r = _run_python(code, FASTOPS_BACKEND="auto")
+    assert r.returncode == 0, r.stderr
+
+
+def test_explicit_backend_that_is_unavailable_raises():
+    code = BLOCK_C + (
+        "import torch, fastops\n"
+        "p = torch.nn.Parameter(torch.ones(3)); opt = fastops.optim.AdamW([p]); p.grad = torch.ones(3)\n"
+        "try:\n"
+        "    opt.step()\n"
+        "except RuntimeError as e:\n"
+        "    assert 'cpp' in str(e) and 'fastops._C' in str(e), e\n"
+        "    print('raised')\n"
+    )
+    r = _run_python(code, FASTOPS_BACKEND="cpp")
+    assert r.returncode == 0 and "raised" in r.stdout, r.stderr
+
+
+def test_backend_env_parsing(monkeypatch):
+    monkeypatch.setenv("FASTOPS_BACKEND", "cpu:reference,cuda:triton")
+    assert _backend.requested("cpu") == "reference" and _backend.requested("cuda") == "triton"
+    monkeypatch.setenv("FASTOPS_BACKEND", "cuda")
+    with pytest.raises(_backend.BackendUnavailable, match="does not run on cpu"):
+        _backend.choose("cpu")
+    monkeypatch.setenv("FASTOPS_BACKEND", "fast")
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        _backend.requested("cpu")
+
+
+def test_info_command_lists_every_op():
+    r = subprocess.run([sys.executable, "-m", "fastops", "info"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for name in ("adam_step_", "unscale_check_", "grad_stats", "torch", "triton"):
+        assert name in r.stdout
