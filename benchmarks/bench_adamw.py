@@ -41,8 +41,8 @@ def make_params(total: int, n_tensors: int, device: str) -> list[torch.nn.Parame
     sizes[0] += total - sizes.sum()
     params = []
     for n in sizes.tolist():
-        p = torch.nn.Parameter(torch.randn(n, device=device) * 0.02)
-        p.grad = torch.randn(n, device=device) * 1e-3
+        p = torch.nn.Parameter((torch.randn(n, generator=g) * 0.02).to(device))
+        p.grad = (torch.randn(n, generator=g) * 1e-3).to(device)
         params.append(p)
     return params
 

@@ -1,0 +1,100 @@
+"""The CUDA backends (Triton, CUDA C++, reference) on a real GPU. They need a GPU, so on the CPU-only CI
+machines they are skipped; benchmarks/gpu_check.sh runs them wherever a GPU is lent."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fastops
+import fastops.amp as famp
+from fastops import _backend, reference
+from tests.test_ops import _assert_adam_close, _clone, adam_inputs
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+CUDA_BACKENDS = ("triton", "cuda", "reference")
+
+
+@pytest.fixture(params=CUDA_BACKENDS)
+def cuda_backend(request):
+    with _backend.use("cuda", request.param):
+        yield request.param
+
+
+def _to_cuda(args):
+    return [[t.cuda() for t in a] if isinstance(a, list) else (a.cuda() if isinstance(a, torch.Tensor) else a)
+            for a in args]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("amsgrad,master", [(False, False), (True, True)])
+def test_adam_step_matches_reference_on_cuda(cuda_backend, dtype, amsgrad, master):
+    args = _to_cuda(adam_inputs([0, 1, 1023, 10**6 + 7], dtype, amsgrad, master, scale=torch.tensor(4.0)))
+    args[7] = torch.tensor(1e-2, device="cuda")  # device lr, read in-kernel
+    want = [[t.cpu() for t in a] if isinstance(a, list) else (a.cpu() if isinstance(a, torch.Tensor) else a) for a in args]
+    torch.ops.fastops.adam_step_(*args)
+    reference.adam_step_(*want)
+    got = [[t.cpu() for t in a] if isinstance(a, list) else a for a in args]
+    _assert_adam_close(got, want, dtype)
+
+
+def test_optimizer_parity_with_torch_fused_on_cuda(cuda_backend):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)).cuda()
+    ref_model = copy.deepcopy(model)
+    opt = fastops.optim.AdamW(model.parameters(), lr=1e-3, amsgrad=True)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3, amsgrad=True, fused=True)
+    for step in range(50):
+        x = torch.randn(32, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        for m, o in ((model, opt), (ref_model, ref)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_amp_phase_never_syncs(backend):
+    with _backend.use("cuda", backend):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(128, 128).cuda()
+        opt = fastops.optim.AdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
+        scaler = famp.GradScaler("cuda")
+        for _ in range(3):  # warm: tables built and cached, kernels compiled
+            opt.zero_grad()
+            scaler.scale(model(torch.randn(8, 128, device="cuda")).square().mean()).backward()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                scaler.step(opt)
+                scaler.update()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_capturable_step_replays_in_a_cuda_graph(backend):
+    with _backend.use("cuda", backend):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in (1000, 33)]
+        ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        lr = torch.tensor(1e-2, device="cuda")
+        opt = fastops.optim.AdamW(params, lr=lr, capturable=True)
+        ref = torch.optim.AdamW(ref_params, lr=1e-2, foreach=False)
+        for p in params + ref_params:
+            p.grad = torch.ones_like(p)
+        opt.step()  # state initialisation happens outside the capture
+        ref.step()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph):
+            opt.step()
+        torch.cuda.current_stream().wait_stream(stream)
+        for _ in range(5):
+            graph.replay()
+            ref.step()
+        for a, b in zip(params, ref_params):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
