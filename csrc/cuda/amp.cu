@@ -1,0 +1,230 @@
+// fastops.unscale_check_ and fastops.grad_stats on CUDA, over the grad table and chunk table of
+// kernels.cuh, one launch per grad dtype.
+//
+// grad_stats is deterministic without float atomics: the first pass writes one partial per chunk (not
+// per block, so the result does not depend on the grid size), and the second pass is one block that
+// folds the partials in a fixed order and a fixed shuffle tree.
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "kernels.cuh"
+
+namespace fastops {
+namespace cuda {
+namespace {
+
+using detail::Elem;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    unscale_check_kernel(const int64_t* tensors, const int64_t* chunks, int64_t n_chunks, float* found_inf,
+                         const float* inv_scale_ptr, float inv_scale_value) {
+  const float inv = inv_scale_ptr != nullptr ? *inv_scale_ptr : inv_scale_value;
+  bool bad = false;
+  for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+    const int64_t t = chunks[2 * c];
+    const int64_t start = chunks[2 * c + 1] * kChunkSize;
+    T* g = reinterpret_cast<T*>(tensors[t * kGradCols + kGradPtr]);
+    const int64_t numel = tensors[t * kGradCols + kGradNumel];
+    const int64_t end = numel < start + kChunkSize ? numel : start + kChunkSize;
+    int64_t scalar_from = start;
+    if (detail::aligned(g, 4 * sizeof(T))) {
+      const int64_t vec_end = start + (end - start) / 4 * 4;
+      for (int64_t i = start + 4 * static_cast<int64_t>(threadIdx.x); i < vec_end; i += 4 * static_cast<int64_t>(blockDim.x)) {
+        float x[4];
+        detail::load4<false>(g + i, x);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          // Checked as it came in, as torch's AMP kernel does; fp32 multiply, one rounding on the store.
+          bad |= !detail::finite(x[k]);
+          x[k] = __fmul_rn(x[k], inv);
+        }
+        detail::store4(g + i, x);
+      }
+      scalar_from = vec_end;
+    }
+    for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) {
+      const float x = Elem<T>::load(g[i]);
+      bad |= !detail::finite(x);
+      g[i] = Elem<T>::store(__fmul_rn(x, inv));
+    }
+  }
+  // Only ever 1.0f: racing stores from several threads agree, and nothing clears the flag.
+  if (bad) *found_inf = 1.0f;
+}
+
+// Running statistics of one thread, then of a warp and a block. amax leaves nans out; has_nan puts them
+// back at the end, so max |g| is nan exactly when some element is (as torch's max).
+struct Stats {
+  float sq;
+  float amax;
+  int has_nan;
+  int bad;
+};
+
+__device__ __forceinline__ Stats combine(const Stats& a, const Stats& b) {
+  return Stats{__fadd_rn(a.sq, b.sq), fmaxf(a.amax, b.amax), a.has_nan | b.has_nan, a.bad | b.bad};
+}
+
+__device__ __forceinline__ void accumulate(Stats& s, float x) {
+  const float ax = fabsf(x);
+  const bool is_nan = x != x;
+  s.sq = fmaf(x, x, s.sq);
+  if (!is_nan) s.amax = fmaxf(s.amax, ax);
+  s.has_nan |= is_nan;
+  s.bad |= !detail::finite(x);
+}
+
+// Block-wide fold with a fixed shape; the result is valid in thread 0. Ends with a barrier so the next
+// call may reuse the shared buffer.
+__device__ Stats block_reduce(Stats s) {
+  __shared__ Stats warp_sums[kThreads / 32];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) {
+    Stats o;
+    o.sq = __shfl_down_sync(0xffffffffu, s.sq, off);
+    o.amax = __shfl_down_sync(0xffffffffu, s.amax, off);
+    o.has_nan = __shfl_down_sync(0xffffffffu, s.has_nan, off);
+    o.bad = __shfl_down_sync(0xffffffffu, s.bad, off);
+    s = combine(s, o);
+  }
+  if (lane == 0) warp_sums[warp] = s;
+  __syncthreads();
+  if (warp == 0) {
+    s = lane < static_cast<int>(blockDim.x / 32) ? warp_sums[lane] : Stats{0.0f, 0.0f, 0, 0};
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) {
+      Stats o;
+      o.sq = __shfl_down_sync(0xffffffffu, s.sq, off);
+      o.amax = __shfl_down_sync(0xffffffffu, s.amax, off);
+      o.has_nan = __shfl_down_sync(0xffffffffu, s.has_nan, off);
+      o.bad = __shfl_down_sync(0xffffffffu, s.bad, off);
+      s = combine(s, o);
+    }
+  }
+  __syncthreads();
+  return s;
+}
+
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    grad_stats_partials_kernel(const int64_t* tensors, const int64_t* chunks, int64_t n_chunks, float* partials,
+                               int64_t first_partial) {
+  for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+    const int64_t t = chunks[2 * c];
+    const int64_t start = chunks[2 * c + 1] * kChunkSize;
+    const T* g = reinterpret_cast<const T*>(tensors[t * kGradCols + kGradPtr]);
+    const int64_t numel = tensors[t * kGradCols + kGradNumel];
+    const int64_t end = numel < start + kChunkSize ? numel : start + kChunkSize;
+    Stats s{0.0f, 0.0f, 0, 0};
+    int64_t scalar_from = start;
+    if (detail::aligned(g, 4 * sizeof(T))) {
+      const int64_t vec_end = start + (end - start) / 4 * 4;
+      for (int64_t i = start + 4 * static_cast<int64_t>(threadIdx.x); i < vec_end; i += 4 * static_cast<int64_t>(blockDim.x)) {
+        float x[4];
+        detail::load4<true>(g + i, x);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) accumulate(s, x[k]);
+      }
+      scalar_from = vec_end;
+    }
+    for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) accumulate(s, detail::load_ro(g + i));
+    s = block_reduce(s);
+    if (threadIdx.x == 0) {
+      float* out = partials + 3 * (first_partial + c);
+      out[0] = s.sq;
+      out[1] = s.has_nan ? quiet_nan() : s.amax;
+      out[2] = s.bad ? 1.0f : 0.0f;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) grad_stats_reduce_kernel(const float* partials, int64_t n, float* out) {
+  Stats s{0.0f, 0.0f, 0, 0};
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float* q = partials + 3 * i;
+    const float amax = q[1];
+    s.sq = __fadd_rn(s.sq, q[0]);
+    if (amax != amax) {
+      s.has_nan = 1;
+    } else {
+      s.amax = fmaxf(s.amax, amax);
+    }
+    s.bad |= q[2] != 0.0f;
+  }
+  s = block_reduce(s);
+  if (threadIdx.x == 0) {
+    out[0] = s.sq;
+    out[1] = s.has_nan ? quiet_nan() : s.amax;
+    out[2] = s.bad ? 1.0f : 0.0f;
+  }
+}
+
+int grid_for(int64_t n_chunks, int max_blocks) {
+  return static_cast<int>(n_chunks < max_blocks ? n_chunks : max_blocks);
+}
+
+}  // namespace
+
+cudaError_t unscale_check(ScalarKind kind, const int64_t* tensors, const int64_t* chunks, int64_t n_chunks,
+                          float* found_inf, const float* inv_scale_ptr, float inv_scale, int max_blocks,
+                          cudaStream_t stream) {
+  if (n_chunks == 0) return cudaSuccess;
+  const int blocks = grid_for(n_chunks, max_blocks);
+  switch (kind) {
+    case ScalarKind::kFloat32:
+      unscale_check_kernel<float><<<blocks, kThreads, 0, stream>>>(tensors, chunks, n_chunks, found_inf,
+                                                                   inv_scale_ptr, inv_scale);
+      break;
+    case ScalarKind::kBFloat16:
+      unscale_check_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(tensors, chunks, n_chunks, found_inf,
+                                                                           inv_scale_ptr, inv_scale);
+      break;
+    case ScalarKind::kFloat16:
+      unscale_check_kernel<__half><<<blocks, kThreads, 0, stream>>>(tensors, chunks, n_chunks, found_inf,
+                                                                    inv_scale_ptr, inv_scale);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t grad_stats_partials(ScalarKind kind, const int64_t* tensors, const int64_t* chunks, int64_t n_chunks,
+                                float* partials, int64_t first_partial, int max_blocks, cudaStream_t stream) {
+  if (n_chunks == 0) return cudaSuccess;
+  const int blocks = grid_for(n_chunks, max_blocks);
+  switch (kind) {
+    case ScalarKind::kFloat32:
+      grad_stats_partials_kernel<float><<<blocks, kThreads, 0, stream>>>(tensors, chunks, n_chunks, partials,
+                                                                         first_partial);
+      break;
+    case ScalarKind::kBFloat16:
+      grad_stats_partials_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(tensors, chunks, n_chunks,
+                                                                                 partials, first_partial);
+      break;
+    case ScalarKind::kFloat16:
+      grad_stats_partials_kernel<__half><<<blocks, kThreads, 0, stream>>>(tensors, chunks, n_chunks, partials,
+                                                                          first_partial);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t grad_stats_reduce(const float* partials, int64_t n_partials, float* out, cudaStream_t stream) {
+  // Run even for n_partials == 0, so out is always written (zeros).
+  grad_stats_reduce_kernel<<<1, kThreads, 0, stream>>>(partials, n_partials, out);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace fastops

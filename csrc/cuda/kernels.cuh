@@ -1,0 +1,190 @@
+// CUDA kernels of fastops: raw-pointer launchers (adam.cu, amp.cu) and the table layout the binding
+// (binding.cpp) fills. Only CUDA headers here, so `nvcc -c` builds the .cu files without torch.
+//
+// Every launcher walks a chunk table, as apex's multi_tensor_apply does: entry c is (tensor index, chunk
+// index), the chunk covering elements [chunk * kChunkSize, min(numel, (chunk + 1) * kChunkSize)) of that
+// tensor, and each tensor's pointers and numel sit in a row of a per-tensor table. Both tables are int64
+// arrays in device memory, so one launch covers any number of tensors, and the binding caches them.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace fastops {
+namespace cuda {
+
+enum class ScalarKind : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// 65536 elements a chunk, as apex: a 1B-param model is 15k chunks (a 240 KiB chunk table), and at most
+// one partly filled chunk per tensor.
+constexpr int64_t kChunkSize = 65536;
+// 512 threads x 4 elements a trip: 32 trips per full chunk.
+constexpr int kThreads = 512;
+
+// Columns of the Adam per-tensor table. Absent pointers (max_exp_avg_sq without amsgrad, master without
+// master params) are 0.
+enum AdamCol : int {
+  kAdamParam = 0,
+  kAdamGrad = 1,
+  kAdamExpAvg = 2,
+  kAdamExpAvgSq = 3,
+  kAdamMaxExpAvgSq = 4,
+  kAdamMaster = 5,
+  kAdamStep = 6,  // float32 step counter, already incremented for this step
+  kAdamNumel = 7,
+  kAdamCols = 8,
+};
+
+// Columns of the grad table (unscale_check_, grad_stats).
+enum GradCol : int { kGradPtr = 0, kGradNumel = 1, kGradCols = 2 };
+
+// Scalars of one Adam launch. Pointers are device fp32 scalars read in the kernel (what CUDA-graph
+// capture needs); nullptr means "use the value field".
+struct AdamArgs {
+  const int64_t* tensors;  // [n_tensors][kAdamCols]
+  const int64_t* chunks;   // [n_chunks][2]
+  int64_t n_chunks;
+  const float* lr_ptr;
+  float lr;
+  float decay;  // 1 - lr * weight_decay, used when lr_ptr is null
+  const float* grad_scale_ptr;
+  float grad_scale;
+  bool has_grad_scale;
+  const float* found_inf;  // the kernel does nothing when *found_inf != 0; nullptr: never skips
+  float beta2;
+  float one_minus_beta2;  // fp32(1 - beta2 in fp64), as torch passes value=1 - beta2
+  float lerp_weight;      // fp32(1 - beta1)
+  bool lerp_small;        // |lerp_weight| < 0.5: torch.lerp's choice of formula
+  float log_beta1;        // fp32(log(beta1) in fp64); -inf for beta1 = 0
+  float log_beta2;
+  float eps;
+  float weight_decay;
+  int wd_mode;  // 0 none, 1 L2 (Adam), 2 decoupled (AdamW)
+  bool maximize;
+  bool amsgrad;
+  bool has_master;
+};
+
+// All launchers return cudaGetLastError() after the launch (cudaSuccess when there is nothing to do).
+// max_blocks caps the grid; blocks grid-stride over the chunk table.
+cudaError_t adam_step(ScalarKind kind, const AdamArgs& args, int max_blocks, cudaStream_t stream);
+
+// grads[i] *= inv_scale, rounded once to the grad's dtype; *found_inf = 1.0f if any element was inf/nan.
+cudaError_t unscale_check(ScalarKind kind, const int64_t* tensors, const int64_t* chunks, int64_t n_chunks,
+                          float* found_inf, const float* inv_scale_ptr, float inv_scale, int max_blocks,
+                          cudaStream_t stream);
+
+// First pass of grad_stats: partials[3 * (first_partial + c) + {0, 1, 2}] = {sum of squares, max |g| (nan
+// if the chunk holds a nan), 1.0f if the chunk holds an inf/nan else 0.0f} for every chunk c.
+cudaError_t grad_stats_partials(ScalarKind kind, const int64_t* tensors, const int64_t* chunks, int64_t n_chunks,
+                                float* partials, int64_t first_partial, int max_blocks, cudaStream_t stream);
+
+// Second pass: one block folds n_partials partials in a fixed order into out[3].
+cudaError_t grad_stats_reduce(const float* partials, int64_t n_partials, float* out, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace fastops
+
+#ifdef __CUDACC__
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace fastops {
+namespace cuda {
+namespace detail {
+
+// Conversions between storage types and fp32. _rn: round to nearest even, as torch's casts. The 16-bit
+// types also convert from and to their bit patterns, which is how the 4-wide accesses move them.
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static __device__ __forceinline__ float load(float x) { return x; }
+  static __device__ __forceinline__ float store(float x) { return x; }
+};
+template <>
+struct Elem<__nv_bfloat16> {
+  static __device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
+  static __device__ __forceinline__ float from_bits(unsigned int b) {
+    return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b)));
+  }
+  static __device__ __forceinline__ unsigned int to_bits(float x) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  }
+};
+template <>
+struct Elem<__half> {
+  static __device__ __forceinline__ float load(__half x) { return __half2float(x); }
+  static __device__ __forceinline__ __half store(float x) { return __float2half_rn(x); }
+  static __device__ __forceinline__ float from_bits(unsigned int b) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
+  }
+  static __device__ __forceinline__ unsigned int to_bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
+};
+
+// Pointers read from a table are generic addresses to nvcc, so plain accesses through them compile to
+// generic LD.E/ST.E (LD.E.128 for the 4-wide ones) in the sm_90 SASS; neither __builtin_assume(__isGlobal(p))
+// nor a cvta round trip changed that in the looped kernels. Read-only data (grads in adam and grad_stats)
+// goes through __ldg, which is LDG.E.*.CONSTANT. Whether generic costs bandwidth here is unmeasured.
+
+// Four consecutive elements at p, which must be aligned to 4 * sizeof(T): one 16-byte access for fp32,
+// one 8-byte access for bf16/fp16. RO: p is not written during the kernel (the read-only path).
+template <bool RO>
+__device__ __forceinline__ void load4(const float* p, float (&out)[4]) {
+  const float4* q = reinterpret_cast<const float4*>(p);
+  const float4 v = RO ? __ldg(q) : *q;
+  out[0] = v.x;
+  out[1] = v.y;
+  out[2] = v.z;
+  out[3] = v.w;
+}
+
+__device__ __forceinline__ void store4(float* p, const float (&in)[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(in[0], in[1], in[2], in[3]);
+}
+
+template <bool RO, typename T>
+__device__ __forceinline__ void load4(const T* p, float (&out)[4]) {
+  static_assert(sizeof(T) == 2, "16-bit types only; fp32 has its own overload");
+  // Little-endian: the element at the lower address is the low half of each 32-bit word.
+  const uint2* q = reinterpret_cast<const uint2*>(p);
+  const uint2 v = RO ? __ldg(q) : *q;
+  out[0] = Elem<T>::from_bits(v.x & 0xffffu);
+  out[1] = Elem<T>::from_bits(v.x >> 16);
+  out[2] = Elem<T>::from_bits(v.y & 0xffffu);
+  out[3] = Elem<T>::from_bits(v.y >> 16);
+}
+
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float (&in)[4]) {
+  static_assert(sizeof(T) == 2, "16-bit types only; fp32 has its own overload");
+  uint2 v;
+  v.x = Elem<T>::to_bits(in[0]) | (Elem<T>::to_bits(in[1]) << 16);
+  v.y = Elem<T>::to_bits(in[2]) | (Elem<T>::to_bits(in[3]) << 16);
+  *reinterpret_cast<uint2*>(p) = v;
+}
+
+// One element through the read-only path.
+__device__ __forceinline__ float load_ro(const float* p) { return __ldg(p); }
+template <typename T>
+__device__ __forceinline__ float load_ro(const T* p) {
+  static_assert(sizeof(T) == 2, "16-bit types only; fp32 has its own overload");
+  return Elem<T>::from_bits(__ldg(reinterpret_cast<const unsigned short*>(p)));
+}
+
+__device__ __forceinline__ bool aligned(const void* p, uintptr_t bytes) {
+  return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
+}
+
+// torch.maximum: nan if either operand is nan (fmaxf would drop it).
+__device__ __forceinline__ float max_nan(float a, float b) { return (a != a || a > b) ? a : b; }
+
+// |x| <= FLT_MAX is false exactly for inf and nan.
+__device__ __forceinline__ bool finite(float x) { return fabsf(x) <= 3.402823466e+38f; }
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace fastops
+#endif  // __CUDACC__

@@ -1,0 +1,11 @@
+"""Triton kernels for fastops (the ``triton`` backend, see ``fastops._backend``).
+
+Each launcher has the positional signature of its ``fastops.reference`` counterpart. On CUDA tensors they
+run compiled; on CPU tensors only under ``TRITON_INTERPRET=1`` (set before triton is imported), which is
+how they are tested on machines without a GPU.
+"""
+
+from .adam import TABLES, adam_step_
+from .amp import grad_stats, unscale_check_
+
+__all__ = ["adam_step_", "unscale_check_", "grad_stats", "TABLES"]
