@@ -1,0 +1,418 @@
+"""Benchmark of fastops.data.Prefetcher, and the measurement behind "no C++ part".
+
+CPU: a loader that takes X ms per batch and a step that takes Y ms, both releasing the GIL (time.sleep, or
+torch ops on one intra-op thread each), run as a plain loop, through DataLoader(num_workers=1|2) and
+through Prefetcher. Overlap makes a step cost max(X, Y) instead of X + Y, so at X = Y the Prefetcher must
+be >= 1.8x faster than the plain loop (checked; exit status 1 if not).
+The "op" rows (torch matmuls on both sides) need two free cores to overlap; on a shared 2-core machine
+they ranged from 0.86x to 1.6x and are not checked.
+
+GIL: whether torch's host copy (the pageable -> pinned fill of a staging buffer) releases the GIL, measured
+as a pure-Python thread's progress while another thread copies, and as two copying threads against one.
+
+CUDA (when available): large pageable batches while a matmul step runs: plain .to(non_blocking=True),
+a timm-style prefetcher (side stream, no record_stream), and fastops, against the step alone.
+
+Results: benchmarks/results/prefetch_{cpu,cuda}.{json,csv,png}. Medians over repeats, quantiles 20/80.
+
+    python benchmarks/bench_prefetch.py            # about 1.5 min on a 2-core CPU
+    python benchmarks/bench_prefetch.py --quick    # < 30 s smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from fastops.data import Prefetcher  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def quantiles(xs: list[float]) -> tuple[float, float, float]:
+    xs = sorted(xs)
+    q = statistics.quantiles(xs, n=5, method="inclusive") if len(xs) > 1 else [xs[0]] * 4
+    return statistics.median(xs), q[0], q[3]
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
+
+
+# ---- CPU: loader X ms, step Y ms ----
+
+
+class Work:
+    """X ms of GIL-free work: time.sleep, or repeated 512x512 matmuls calibrated to take that long (a few ms
+    each: fewer GIL hand-offs between the two threads than many small ops)."""
+
+    def __init__(self, kind: str, ms: float):
+        self.kind, self.s = kind, ms / 1000
+        if kind == "op":
+            self.a = torch.randn(512, 512)
+            t = time.perf_counter()
+            for _ in range(20):
+                self.a @ self.a
+            self.reps = max(1, round(self.s / ((time.perf_counter() - t) / 20)))
+
+    def __call__(self) -> None:
+        if self.kind == "sleep":
+            time.sleep(self.s)
+        else:
+            for _ in range(self.reps):
+                self.a @ self.a
+
+
+class SlowDataset(Dataset):
+    def __init__(self, n: int, load: Work):
+        self.n, self.load = n, load
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.load()
+        return torch.full((64,), float(i))
+
+
+def slow_loader(n: int, load: Work):
+    for i in range(n):
+        load()
+        yield torch.full((64,), float(i))
+
+
+def time_loop(batches, n: int, step: Work) -> float:
+    """ms per batch, from the first batch's arrival to the last one's: steady state, without the
+    DataLoader's worker start-up (about 0.1 s here, which would dominate short runs)."""
+    it = iter(batches)
+    next(it)
+    step()
+    start = time.perf_counter()
+    count = 0
+    for _ in it:
+        step()
+        count += 1
+    assert count == n - 1
+    return (time.perf_counter() - start) * 1000 / count
+
+
+def bench_cpu(configs, n: int, repeats: int, hardware: str) -> list[dict]:
+    rows = []
+    for kind, x_ms, y_ms in configs:
+        torch.set_num_threads(1)  # two single-threaded torch ops can then run side by side on 2 cores
+        load, step = Work(kind, x_ms), Work(kind, y_ms)
+        ds = SlowDataset(n, load)
+        providers = {
+            "plain": lambda: slow_loader(n, load),
+            "dataloader_w1": lambda: DataLoader(ds, batch_size=None, num_workers=1),
+            "dataloader_w2": lambda: DataLoader(ds, batch_size=None, num_workers=2),
+            "fastops": lambda: Prefetcher(slow_loader(n, load), device="cpu"),
+        }
+        times: dict[str, list[float]] = {p: [] for p in providers}
+        for _ in range(repeats):  # interleaved, so a slow phase of the machine hits every provider
+            for name, make in providers.items():
+                times[name].append(time_loop(make(), n, step))
+        size = f"{kind} load={x_ms:g}ms step={y_ms:g}ms"
+        for name, ts in times.items():
+            med, q20, q80 = quantiles(ts)
+            rows.append(dict(provider=name, size=size, ms=med, q20=q20, q80=q80, hardware=hardware,
+                             x_ms=x_ms, y_ms=y_ms, kind=kind))
+            print(f"  {size:32s} {name:14s} {med:7.2f} ms/batch  [{q20:.2f}, {q80:.2f}]")
+        torch.set_num_threads(os.cpu_count() or 1)
+    return rows
+
+
+# ---- GIL: does torch's host copy release it? ----
+
+
+def measure_gil(mib: int, seconds: float) -> dict:
+    torch.set_num_threads(1)  # one core per copy, so "two threads" can mean two cores
+    numel = mib * 2**20 // 4
+    pin = torch.cuda.is_available()  # pinned memory needs CUDA; the CPU copy kernel is the same either way
+    srcs = [torch.randn(numel) for _ in range(2)]
+    dsts = [torch.empty(numel, pin_memory=pin) for _ in range(2)]
+
+    def copies(i: int, until: float) -> int:
+        k = 0
+        while time.perf_counter() < until:
+            dsts[i].copy_(srcs[i])
+            k += 1
+        return k
+
+    def spin(until: float, out: list) -> None:
+        k = 0
+        while time.perf_counter() < until:
+            k += 1
+        out.append(k)
+
+    def spin_until(done: threading.Event) -> None:
+        while not done.is_set():
+            pass
+
+    def spinner_rate(during_copy: bool) -> tuple[float, float]:
+        out: list[int] = []
+        until = time.perf_counter() + seconds
+        t = threading.Thread(target=spin, args=(until, out))
+        t.start()
+        n_copies = copies(0, until) if during_copy else (time.sleep(seconds) or 0)
+        t.join()
+        return out[0] / seconds, n_copies / seconds
+
+    copies(0, time.perf_counter() + 0.2)  # warm-up: page in the buffers
+    spin_alone, _ = spinner_rate(False)
+    spin_copy, copy_with_spinner = spinner_rate(True)
+    copy_alone = copies(0, time.perf_counter() + seconds) / seconds
+
+    # Two threads copying at once against one: 2x the throughput if the copies run in parallel.
+    counts: list[int] = [0, 0]
+    until = time.perf_counter() + seconds
+
+    def run(i: int) -> None:
+        counts[i] = copies(i, until)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    two_threads = sum(counts) / seconds
+
+    # Each torch call from the worker gives up the GIL and must get it back; while the consumer runs Python
+    # that wait is up to sys.getswitchinterval() (5 ms) per call. A batch of 16 tensors as 16 copy_ calls
+    # against one _foreach_copy_ (what Prefetcher does), with a thread spinning in Python.
+    parts_src = list(srcs[0].chunk(16))
+    parts_dst = list(dsts[0].chunk(16))
+    batch_ms = {}
+    for name, fn in (("per_tensor_copy", lambda: [d.copy_(s) for d, s in zip(parts_dst, parts_src)]),
+                     ("foreach_copy", lambda: torch._foreach_copy_(parts_dst, parts_src))):
+        for spinning in (False, True):
+            done = threading.Event()
+            spinner = threading.Thread(target=spin_until, args=(done,))
+            if spinning:
+                spinner.start()
+            ts = []
+            for _ in range(9):
+                t = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t) * 1000)
+            done.set()
+            if spinning:
+                spinner.join()
+            batch_ms[name + ("_spinning" if spinning else "")] = statistics.median(ts)
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    gbs = mib / 1024
+    res = dict(
+        copy_mib=mib,
+        pinned=pin,
+        copy_gbps_one_thread=copy_alone * gbs,
+        copy_gbps_two_threads=two_threads * gbs,
+        two_thread_speedup=two_threads / copy_alone,
+        spinner_progress_during_copy=spin_copy / spin_alone,
+        copy_gbps_with_spinner=copy_with_spinner * gbs,
+        batch_of_16_ms=batch_ms,
+    )
+    print(
+        f"  copy_ of {mib} MiB ({'pinned' if pin else 'pageable'} dst): "
+        f"one thread {res['copy_gbps_one_thread']:.2f} GB/s, "
+        f"two threads {res['copy_gbps_two_threads']:.2f} GB/s ({res['two_thread_speedup']:.2f}x)\n"
+        f"  a Python thread spinning during copies keeps {100 * res['spinner_progress_during_copy']:.0f}% of its "
+        f"speed (0% if copy_ held the GIL); the copies then run at {res['copy_gbps_with_spinner']:.2f} GB/s\n"
+        f"  the same {mib} MiB as 16 tensors: 16 copy_ calls {batch_ms['per_tensor_copy']:.1f} ms, "
+        f"{batch_ms['per_tensor_copy_spinning']:.1f} ms with the spinner; one _foreach_copy_ "
+        f"{batch_ms['foreach_copy']:.1f} ms, {batch_ms['foreach_copy_spinning']:.1f} ms with the spinner"
+    )
+    return res
+
+
+# ---- CUDA: copies under a matmul step ----
+
+
+def bench_cuda(sizes_mib, n: int, repeats: int) -> list[dict]:
+    dev = torch.device("cuda")
+    hardware = torch.cuda.get_device_name(dev)
+    a = torch.randn(4096, 4096, device=dev)
+    sink = torch.zeros((), device=dev)
+
+    def step(x: torch.Tensor) -> None:
+        for _ in range(reps):
+            torch.mm(a, a, out=b)
+        sink.add_(x[:1024].float().sum())  # the step reads its batch
+
+    b = torch.empty_like(a)
+    reps = 1
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        torch.mm(a, a, out=b)
+    torch.cuda.synchronize()
+    one = (time.perf_counter() - t) / 20
+
+    def timm_style(batches):
+        # timm's PrefetchLoader: copy the next batch on a side stream, wait_stream, no record_stream.
+        # Its batches come pinned from DataLoader(pin_memory=True); pinned here, in the consumer thread,
+        # as DataLoader(num_workers=0, pin_memory=True) would.
+        stream = torch.cuda.Stream()
+        cur = None
+        for x in batches:
+            x = x.pin_memory()
+            with torch.cuda.stream(stream):
+                nxt = x.to(dev, non_blocking=True)
+            if cur is not None:
+                yield cur
+            torch.cuda.current_stream().wait_stream(stream)
+            cur = nxt
+        yield cur
+
+    def run(batches) -> float:
+        it = iter(batches)
+        step(next(it))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        count = 0
+        for x in it:
+            step(x if x.is_cuda else x.to(dev, non_blocking=True))
+            count += 1
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1000 / count
+
+    class Take:
+        """The first n batches of a cycle over `batches`; iterable again and again, like a DataLoader."""
+
+        def __init__(self, batches):
+            self.batches = batches
+
+        def __iter__(self):
+            return itertools.islice(itertools.cycle(self.batches), n)
+
+    rows = []
+    for mib in sizes_mib:
+        host = [torch.randn(mib * 2**20 // 4) for _ in range(4)]
+        # Step calibrated to about the time of a pinned copy of the batch (~25 GB/s), where overlap matters.
+        reps = max(1, round((mib / 1024 / 25) / one))
+        # One Prefetcher reused across passes, as across epochs: its pinned pool is allocated once.
+        prefetcher = Prefetcher(Take(host), device=dev)
+        providers = {
+            "compute_only": lambda: Take([h.to(dev) for h in host]),
+            "plain": lambda: Take(host),
+            "timm_style": lambda: timm_style(Take(host)),
+            "fastops": lambda: prefetcher,
+        }
+        times: dict[str, list[float]] = {p: [] for p in providers}
+        for name, make in providers.items():
+            run(make())  # warm-up: pinned allocations (fastops' pool, timm's host cache), cuBLAS
+        for _ in range(repeats):
+            for name, make in providers.items():
+                times[name].append(run(make()))
+        compute = quantiles(times["compute_only"])[0]
+        for name, ts in times.items():
+            med, q20, q80 = quantiles(ts)
+            rows.append(dict(provider=name, size=f"{mib} MiB", ms=med, q20=q20, q80=q80, hardware=hardware))
+            print(f"  {mib:5d} MiB {name:14s} {med:8.2f} ms/step  [{q20:.2f}, {q80:.2f}]  {med / compute:.2f}x compute")
+        prefetcher.close()
+        del host, prefetcher
+    return rows
+
+
+# ---- output ----
+
+
+def write(rows: list[dict], extra: dict, stem: str, title: str) -> None:
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, stem)
+    with open(path + ".json", "w") as f:
+        json.dump(dict(rows=rows, **extra), f, indent=1)
+    with open(path + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["provider", "size", "ms", "q20", "q80", "hardware"], extrasaction="ignore")
+        w.writeheader()
+        w.writerows({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"wrote {path}.json/.csv (no matplotlib: no plot)")
+        return
+    sizes = list(dict.fromkeys(r["size"] for r in rows))
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(sizes)), 4))
+    width = 0.8 / len(providers)
+    for j, p in enumerate(providers):
+        rs = [next(r for r in rows if r["size"] == s and r["provider"] == p) for s in sizes]
+        xs = [i + (j - (len(providers) - 1) / 2) * width for i in range(len(sizes))]
+        err = [[r["ms"] - r["q20"] for r in rs], [r["q80"] - r["ms"] for r in rs]]
+        ax.bar(xs, [r["ms"] for r in rs], width, yerr=err, capsize=2, label=p)
+    ax.set_xticks(range(len(sizes)))
+    ax.set_xticklabels([s.replace(" load", "\nload") for s in sizes], fontsize=8)
+    ax.set_ylabel("ms per batch (median, q20-q80)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path + ".png", dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}.json/.csv/.png")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run, < 30 s")
+    ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA part even when CUDA is available")
+    args = ap.parse_args()
+
+    if args.quick:
+        configs, n, repeats = [("sleep", 10, 10)], 20, 3
+        gil_s, cuda_sizes, cuda_n = 0.5, [64], 10
+    else:
+        configs = [("sleep", 5, 5), ("sleep", 20, 20), ("sleep", 10, 20), ("sleep", 20, 10), ("op", 10, 10)]
+        n, repeats = 40, 5
+        gil_s, cuda_sizes, cuda_n = 1.0, [64, 256], 30
+    hardware = cpu_name()
+    t0 = time.perf_counter()
+    print(f"CPU ({hardware}), torch {torch.__version__}, {n} batches x {repeats} repeats")
+    rows = bench_cpu(configs, n, repeats, hardware)
+    print("GIL")
+    gil = measure_gil(64, gil_s)
+
+    checks = {}
+    for size in dict.fromkeys(r["size"] for r in rows if r["x_ms"] == r["y_ms"]):
+        ms = {r["provider"]: r["ms"] for r in rows if r["size"] == size}
+        checks[size] = dict(speedup_vs_plain=ms["plain"] / ms["fastops"], required=1.8)
+    ok = all(c["speedup_vs_plain"] >= c["required"] for k, c in checks.items() if k.startswith("sleep"))
+    for k, c in checks.items():
+        print(f"  {k}: fastops {c['speedup_vs_plain']:.2f}x faster than plain")
+    command = "python benchmarks/bench_prefetch.py" + (" --quick" if args.quick else "")
+    meta = dict(command=command, torch=torch.__version__, hardware=hardware, gil=gil, checks=checks,
+                seconds=time.perf_counter() - t0)
+    write(rows, meta, "prefetch_cpu", f"Prefetcher, loader X ms + step Y ms, {hardware}")
+
+    if torch.cuda.is_available() and not args.no_cuda:
+        print(f"CUDA ({torch.cuda.get_device_name()})")
+        crows = bench_cuda(cuda_sizes, cuda_n, repeats)
+        write(crows, dict(command=command, torch=torch.__version__), "prefetch_cuda",
+              f"H2D copy under a matmul step, {torch.cuda.get_device_name()}")
+    print(f"done in {time.perf_counter() - t0:.0f} s; speedup check {'passed' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,563 @@
+"""fastops.data.Prefetcher: behaviour on the CPU, stream safety on CUDA.
+
+Timing assertions use bounds several times wider than the expected effect, so a loaded machine cannot make
+them flake; the benchmark is where the speedup is measured.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import gc
+import signal
+import threading
+import time
+import traceback
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+from fastops.data import Prefetcher, _PinnedPool, _Stager
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _prefetch_threads() -> int:
+    return sum(t.name == "fastops-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+def _wait_no_workers(before: int, timeout: float = 5.0) -> int:
+    """The worker notices the stop flag within one queue timeout (0.1 s); poll instead of sleeping blindly."""
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    while _prefetch_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+        gc.collect()
+    return _prefetch_threads()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_workers():
+    before = _prefetch_threads()
+    yield
+    assert _wait_no_workers(before) == before, "a prefetch worker thread outlived its test"
+
+
+def _batches(n: int) -> list[torch.Tensor]:
+    return [torch.full((4,), float(i)) for i in range(n)]
+
+
+# ---- order, structure ----
+
+
+def test_order_is_preserved():
+    src = _batches(50)
+    out = list(Prefetcher(src, device="cpu"))
+    assert len(out) == 50
+    for i, b in enumerate(out):
+        assert b[0].item() == i
+
+
+def test_generator_source():
+    out = [b[0].item() for b in Prefetcher((torch.tensor([i]) for i in range(10)), device="cpu", depth=3)]
+    assert out == list(range(10))
+
+
+Pair = collections.namedtuple("Pair", "image label")
+
+
+@dataclasses.dataclass
+class Sample:
+    x: torch.Tensor
+    meta: dict
+    name: str = "s"
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    x: torch.Tensor
+    k: int
+
+
+def test_structure_and_non_tensor_leaves_pass_through():
+    a, b, c = torch.randn(2, 3), torch.arange(5), torch.zeros(1)
+    batch = {
+        "pair": Pair(a, 7),
+        "list": [b, "text", None, 3.5],
+        "tuple": (c, (a,)),
+        "sample": Sample(a, {"ids": b, "k": "v"}),
+        "frozen": Frozen(c, 2),
+        "od": collections.OrderedDict(z=a, y=1),
+        "dd": collections.defaultdict(list, {"t": b}),
+    }
+    (out,) = list(Prefetcher([batch], device="cpu"))
+    assert type(out["pair"]) is Pair and out["pair"].image is a and out["pair"].label == 7
+    assert out["list"][0] is b and out["list"][1:] == ["text", None, 3.5]
+    assert type(out["tuple"]) is tuple and out["tuple"][0] is c and out["tuple"][1][0] is a
+    assert type(out["sample"]) is Sample and out["sample"].x is a and out["sample"].meta["ids"] is b
+    assert out["sample"].name == "s" and out["sample"].meta["k"] == "v"
+    assert type(out["frozen"]) is Frozen and out["frozen"].x is c and out["frozen"].k == 2
+    assert type(out["od"]) is collections.OrderedDict and list(out["od"]) == ["z", "y"]
+    assert type(out["dd"]) is collections.defaultdict and out["dd"]["missing"] == []
+
+
+def test_cpu_makes_no_copies():
+    src = _batches(5)
+    for x, y in zip(src, Prefetcher(src, device="cpu")):
+        assert y is x
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(0, 4), min_size=0, max_size=12), depth=st.integers(1, 4))
+def test_any_sequence_round_trips(sizes, depth):
+    src = [[torch.full((s,), float(i)), {"i": i}] for i, s in enumerate(sizes)]
+    out = list(Prefetcher(src, device="cpu", depth=depth))
+    assert [o[1]["i"] for o in out] == list(range(len(sizes)))
+    assert all(torch.equal(o[0], s[0]) for o, s in zip(out, src))
+
+
+# ---- errors from the loader ----
+
+
+class LoaderError(Exception):
+    pass
+
+
+def _failing_loader(k: int, raised: list):
+    for i in range(10):
+        if i == k:
+            err = LoaderError(f"bad batch {i}")
+            raised.append(err)
+            raise err
+        yield torch.tensor([i])
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_loader_error_reaches_consumer_after_earlier_batches(k):
+    raised: list = []
+    got = []
+    with pytest.raises(LoaderError) as info:
+        for b in Prefetcher(_failing_loader(k, raised), device="cpu"):
+            got.append(b.item())
+    assert got == list(range(k))
+    assert info.value is raised[0]  # the original object, not a copy or a wrapper
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "_failing_loader" in frames
+
+
+def test_transform_error_reaches_consumer():
+    def transform(b):
+        if b.item() == 2:
+            raise ZeroDivisionError("in transform")
+        return b
+
+    got = []
+    with pytest.raises(ZeroDivisionError, match="in transform"):
+        for b in Prefetcher([torch.tensor([i]) for i in range(5)], device="cpu", transform=transform):
+            got.append(b.item())
+    assert got == [0, 1]
+
+
+# ---- cleanup ----
+
+
+def test_early_break_stops_worker():
+    before, total = _prefetch_threads(), len(threading.enumerate())
+    pf = Prefetcher(_batches(100), device="cpu")
+    for i, _ in enumerate(pf):
+        if i == 2:
+            break
+    assert _wait_no_workers(before) == before
+    assert len(threading.enumerate()) == total
+
+
+def test_del_and_gc_stop_worker_and_free_the_prefetcher():
+    import weakref
+
+    before = _prefetch_threads()
+    pf = Prefetcher(_batches(100), device="cpu")
+    it = iter(pf)
+    next(it)
+    ref = weakref.ref(pf)
+    del pf, it
+    assert _wait_no_workers(before) == before
+    assert ref() is None, "something (the worker?) still holds the Prefetcher"
+
+
+def test_never_started_iterator_is_cleaned_up():
+    before = _prefetch_threads()
+    it = iter(Prefetcher(_batches(100), device="cpu"))
+    time.sleep(0.05)
+    del it
+    assert _wait_no_workers(before) == before
+
+
+def test_close_stops_worker():
+    before = _prefetch_threads()
+    pf = Prefetcher(_batches(100), device="cpu")
+    it = iter(pf)
+    next(it)
+    pf.close()
+    assert _prefetch_threads() == before  # close() joins
+    assert list(it) == []  # the stopped iterator ends instead of hanging
+
+
+def test_worker_stays_depth_ahead():
+    produced = []
+
+    def loader():
+        for i in range(100):
+            produced.append(i)
+            yield i
+
+    it = iter(Prefetcher(loader(), device="cpu", depth=3))
+    time.sleep(0.3)
+    # depth in the queue plus the one the worker holds while it waits to put it.
+    assert len(produced) <= 3 + 1
+    assert next(it) == 0
+    del it
+
+
+# ---- re-iteration ----
+
+
+def test_reiteration_starts_a_new_pass():
+    pf = Prefetcher(_batches(6), device="cpu")
+    first = [b[0].item() for b in pf]
+    second = [b[0].item() for b in pf]
+    assert first == second == list(range(6))
+
+
+def test_new_pass_stops_the_previous_worker():
+    before = _prefetch_threads()
+    pf = Prefetcher(_batches(100), device="cpu")
+    old = iter(pf)
+    next(old)
+    new = iter(pf)
+    assert _prefetch_threads() <= before + 1
+    assert [b[0].item() for b in new][:3] == [0, 1, 2]
+    assert list(old) == []  # the old pass ends; it never yields batches of the new one
+    del old, new
+
+
+def test_dataloader_with_workers_and_early_break():
+    ds = [torch.full((3,), float(i)) for i in range(40)]
+    loader = DataLoader(ds, batch_size=4, num_workers=2)
+    pf = Prefetcher(loader, device="cpu")
+    assert [b[:, 0].tolist() for b in pf] == [[float(4 * j + i) for i in range(4)] for j in range(10)]
+    for i, _ in enumerate(pf):
+        if i == 1:
+            break
+
+
+# ---- len, set_epoch ----
+
+
+def test_len_passes_through():
+    assert len(Prefetcher(_batches(7), device="cpu")) == 7
+    assert len(Prefetcher(DataLoader(list(range(10)), batch_size=3), device="cpu")) == 4
+    gen = (i for i in range(3))
+    with pytest.raises(TypeError) as info:
+        len(Prefetcher(gen, device="cpu"))
+    with pytest.raises(TypeError) as native:
+        len(gen)  # type: ignore[arg-type]
+    assert str(info.value) == str(native.value)
+
+
+def test_set_epoch_reaches_distributed_sampler():
+    ds = list(range(20))
+    sampler = DistributedSampler(ds, num_replicas=2, rank=0, shuffle=True)
+    pf = Prefetcher(DataLoader(ds, batch_size=2, sampler=sampler), device="cpu")
+    pf.set_epoch(5)
+    assert sampler.epoch == 5
+
+    # Orders differ between epochs, and match what the sampler gives for that epoch.
+    epochs = []
+    for e in (0, 1):
+        pf.set_epoch(e)
+        epochs.append(torch.cat(list(pf)).tolist())
+        sampler.set_epoch(e)
+        assert epochs[-1] == list(iter(sampler))
+    assert epochs[0] != epochs[1]
+
+
+def test_set_epoch_through_batch_sampler_and_on_the_iterable():
+    ds = list(range(20))
+    sampler = DistributedSampler(ds, num_replicas=2, rank=0)
+    pf = Prefetcher(DataLoader(ds, batch_sampler=BatchSampler(sampler, 2, False)), device="cpu")
+    pf.set_epoch(3)
+    assert sampler.epoch == 3
+
+    class Stream:
+        epoch = None
+
+        def __iter__(self):
+            return iter(range(3))
+
+        def set_epoch(self, e):
+            self.epoch = e
+
+    s = Stream()
+    Prefetcher(s, device="cpu").set_epoch(9)
+    assert s.epoch == 9
+    Prefetcher([1, 2], device="cpu").set_epoch(1)  # nothing to reach: a no-op
+
+
+# ---- bad input ----
+
+
+def test_bad_depth():
+    with pytest.raises(ValueError, match="depth"):
+        Prefetcher([], depth=0)
+    with pytest.raises(TypeError, match="depth"):
+        Prefetcher([], depth=2.0)  # type: ignore[arg-type]
+
+
+def test_bad_device():
+    with pytest.raises(ValueError, match="nonsense"):
+        Prefetcher([], device="nonsense")
+    with pytest.raises(ValueError, match="meta"):
+        Prefetcher([], device="meta")
+    missing = "cuda:1" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ValueError, match=missing):
+        Prefetcher([], device=missing)
+
+
+def test_not_iterable():
+    with pytest.raises(TypeError, match="int"):
+        Prefetcher(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="transform"):
+        Prefetcher([], transform=3)  # type: ignore[arg-type]
+
+
+def test_default_device():
+    want = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    assert Prefetcher([]).device == want
+
+
+# ---- transform, overlap, interrupts ----
+
+
+def test_transform_on_cpu_runs_in_worker():
+    threads = set()
+
+    def normalize(batch):
+        threads.add(threading.current_thread().name)
+        return {"x": batch["x"].float().div_(255), "y": batch["y"]}
+
+    src = [{"x": torch.full((2, 2), 255, dtype=torch.uint8), "y": i} for i in range(4)]
+    out = list(Prefetcher(src, device="cpu", transform=normalize))
+    assert [o["y"] for o in out] == [0, 1, 2, 3]
+    assert all(o["x"].dtype == torch.float32 and torch.all(o["x"] == 1) for o in out)
+    assert threads == {"fastops-prefetch"}
+
+
+def test_loading_overlaps_with_the_step():
+    load_s = step_s = 0.04
+    n = 20
+
+    def loader():
+        for i in range(n):
+            time.sleep(load_s)
+            yield i
+
+    start = time.perf_counter()
+    for _ in Prefetcher(loader(), device="cpu"):
+        time.sleep(step_s)
+    wall = time.perf_counter() - start
+    serial = n * (load_s + step_s)  # 1.6 s; overlapped about n * max + load = 0.84 s
+    assert wall < 0.8 * serial, f"{wall:.2f}s for {n} batches: no overlap (serial would be {serial:.2f}s)"
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+def test_ctrl_c_while_waiting_for_a_batch_does_not_hang():
+    release = threading.Event()
+
+    def stuck_loader():
+        yield 0
+        release.wait(30)  # a loader that takes forever on batch 1
+        yield 1
+
+    def on_alarm(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        it = iter(Prefetcher(stuck_loader(), device="cpu"))
+        assert next(it) == 0
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        start = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt):
+            next(it)
+        assert time.perf_counter() - start < 5
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        release.set()  # let the worker finish the loader's next() and see the stop flag
+    del it
+
+
+def test_exception_in_the_step_stops_the_worker():
+    before = _prefetch_threads()
+    with pytest.raises(KeyboardInterrupt):
+        for i, _ in enumerate(Prefetcher(_batches(100), device="cpu")):
+            if i == 3:
+                raise KeyboardInterrupt
+    assert _wait_no_workers(before) == before
+
+
+# ---- the CUDA staging code, run on the CPU ----
+
+
+class _FakeStream:
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+
+class _FakeEvent:
+    synchronized = 0
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        _FakeEvent.synchronized += 1
+
+
+def test_staging_path_with_fake_cuda(monkeypatch):
+    """Staging, slot reuse and layouts of the CUDA path, with streams and events faked and "cpu:0" standing in
+    for the GPU, so that CPU-only CI covers that code. Stream ordering itself is only covered on CUDA below."""
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    stager = _Stager(torch.device("cpu", 0), True, None, depth=2)
+    stager.cuda, stager.stream, stager.pool = True, _FakeStream(), _PinnedPool(3, pin_memory=False)
+    _FakeEvent.synchronized = 0
+    kept = []
+    for i in range(12):
+        n = [1000, 5000, 3000, 200][i % 4]
+        batch = {
+            "x": torch.randn(n),
+            "pair": Pair(torch.arange(2 * n)[::2], "label"),  # a strided slice: packed contiguous
+            "cl": torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+            "u8": torch.randint(0, 255, (n,), dtype=torch.uint8),
+            "empty": torch.empty(0),
+        }
+        out = stager.receive(stager.stage(batch))
+        for k in ("x", "cl", "u8"):
+            assert torch.equal(out[k], batch[k]) and out[k].data_ptr() != batch[k].data_ptr()
+        assert torch.equal(out["pair"].image, batch["pair"].image) and out["pair"].image.is_contiguous()
+        assert out["pair"].label == "label" and out["empty"].numel() == 0
+        assert out["cl"].is_contiguous(memory_format=torch.channels_last)
+        kept.append((out, batch))
+    # The outputs are copies, not views of the staging buffers that later batches overwrote.
+    assert all(torch.equal(out["x"], batch["x"]) for out, batch in kept)
+    assert _FakeEvent.synchronized == 12 - 3  # every refill of a used slot waited on its event
+    # Buffers are reused: 21 allocations (12 first fills, then growth to larger batches) for 48 staged tensors.
+    assert stager.pool.allocations < 12 * 4
+
+
+# ---- CUDA ----
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("own_stream", [False, True])
+def test_cuda_contents_intact_with_a_slow_step_and_buffer_reuse(own_stream):
+    # 4 MiB per batch, 24 batches, depth 2: the staging pool is reused 8 times over and the allocator
+    # would happily hand a freed batch's memory to the next copy. The step sleeps on the GPU before
+    # reading its batch, so a missing event wait or record_stream shows up as a wrong sum.
+    n, numel = 24, 1 << 20
+    src = [{"x": torch.full((numel,), i, dtype=torch.int32), "i": i} for i in range(n)]
+    pf = Prefetcher(src, device="cuda", depth=2)
+    stream = torch.cuda.Stream() if own_stream else torch.cuda.current_stream()
+    sums = []
+    with torch.cuda.stream(stream):
+        for b in pf:
+            torch.cuda._sleep(20_000_000)  # ~10 ms at 2 GHz, much longer than the copy
+            sums.append(b["x"].sum())
+            del b
+    torch.cuda.synchronize()
+    assert [int(s) for s in sums] == [i * numel for i in range(n)]
+    pool = pf._stager.pool
+    assert pool.allocations <= len(pool.buffers)  # one leaf per batch: at most one buffer per slot
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_consumer_waits_for_copy_and_transform():
+    # The transform's output is written only after a GPU sleep on the side stream: a consumer that did not
+    # wait on the batch's event would read it before it exists.
+    def slow_transform(x):
+        torch.cuda._sleep(20_000_000)
+        return x + 1
+
+    src = [torch.full((1 << 18,), float(i)) for i in range(8)]
+    got = [b.sum() for b in Prefetcher(src, device="cuda", transform=slow_transform)]
+    torch.cuda.synchronize()
+    assert [float(s) for s in got] == [(i + 1.0) * (1 << 18) for i in range(8)]
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_pinned_pool_is_bounded():
+    sizes = [1000, 5000, 3000, 5000, 200] * 6  # varying batch sizes, two leaves each
+    src = [(torch.randn(s), torch.randint(0, 9, (s, 2))) for s in sizes]
+    pf = Prefetcher(src, device="cuda", depth=2)
+    for (x, y), (a, b) in zip(pf, src):
+        assert torch.equal(x.cpu(), a) and torch.equal(y.cpu(), b)
+    pool = pf._stager.pool
+    slots = len(pool.buffers)
+    # Each (slot, leaf) buffer grows at most twice, then is reused; without a pool it would be 60.
+    assert pool.allocations <= slots * 2 * 2
+    assert pool.nbytes <= slots * (5000 * 4 + 5000 * 2 * 8)
+    pf.close()
+    assert pf._stager.pool.nbytes == 0
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_pinned_and_device_tensors_are_not_staged():
+    pinned = [torch.full((1000,), float(i)).pin_memory() for i in range(5)]
+    pf = Prefetcher(pinned, device="cuda")
+    assert [b[0].item() for b in pf] == [float(i) for i in range(5)]
+    assert pf._stager.pool.allocations == 0
+    on_gpu = [torch.full((10,), float(i), device="cuda") for i in range(3)]
+    assert all(y is x for x, y in zip(on_gpu, Prefetcher(on_gpu, device="cuda")))
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_transform_runs_on_the_side_stream():
+    streams = []
+
+    def transform(b):
+        streams.append(torch.cuda.current_stream())
+        return b.float().div(255).contiguous(memory_format=torch.channels_last)
+
+    src = [torch.full((2, 3, 8, 8), 255, dtype=torch.uint8) for _ in range(4)]
+    pf = Prefetcher(src, device="cuda", transform=transform)
+    out = list(pf)
+    assert all(o.is_cuda and o.dtype == torch.float32 and torch.all(o == 1) for o in out)
+    assert all(o.is_contiguous(memory_format=torch.channels_last) for o in out)
+    assert all(s == pf._stager.stream for s in streams)
+    assert pf._stager.stream != torch.cuda.current_stream()
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cuda_layouts_kept_and_strided_slices_packed():
+    cl = torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last)
+    sliced = torch.randn(8, 8)[:, ::2]
+    (a, b), = list(Prefetcher([(cl, sliced)], device="cuda"))
+    assert a.is_contiguous(memory_format=torch.channels_last) and torch.equal(a.cpu(), cl)
+    assert b.is_contiguous() and torch.equal(b.cpu(), sliced)
