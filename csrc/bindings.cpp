@@ -1,0 +1,28 @@
+// The one Python module, fastops._C: `cpp` (C++ CPU kernels), `cuda` (CUDA builds only), WITH_CUDA and
+// cpu_capability(). fastops._backend looks the ops up by name on the submodules.
+#include <torch/extension.h>
+
+#include "fastops.h"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::module_ cpp = m.def_submodule("cpp", "C++ CPU kernels (csrc/cpu)");
+  cpp.def("adam_step_", &fastops::cpu::adam_step_, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
+          py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("state_steps"), py::arg("master_params"),
+          py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+          py::arg("amsgrad"), py::arg("maximize"), py::arg("decoupled"), py::arg("grad_scale"),
+          py::arg("found_inf"), py::call_guard<py::gil_scoped_release>());
+  cpp.def("unscale_check_", &fastops::cpu::unscale_check_, py::arg("grads"), py::arg("found_inf"),
+          py::arg("inv_scale"), py::call_guard<py::gil_scoped_release>());
+  cpp.def("grad_stats", &fastops::cpu::grad_stats, py::arg("grads"), py::call_guard<py::gil_scoped_release>());
+
+#ifdef WITH_CUDA
+  m.attr("WITH_CUDA") = true;
+  fastops::cuda::register_bindings(m.def_submodule("cuda", "CUDA kernels (csrc/cuda)"));
+#else
+  m.attr("WITH_CUDA") = false;
+#endif
+  m.def("cpu_capability", [] { return std::string(fastops::cpu::capability()); },
+        "The ISA of the CPU kernel set picked at load time: \"avx512\", \"avx2\" or \"default\".");
+}

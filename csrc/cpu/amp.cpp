@@ -1,0 +1,102 @@
+// fastops.unscale_check_ and fastops.grad_stats on the CPU: one at::parallel_for over all elements of all
+// grads (FlatLayout), the per-element work in kernels_isa.h.
+#include <atomic>
+#include <cstring>
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include "cpu/host.h"
+#include "cpu/kernels.h"
+#include "fastops.h"
+
+namespace fastops {
+namespace cpu {
+
+namespace {
+
+Dtype to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return Dtype::kBFloat16;
+    case at::kHalf: return Dtype::kHalf;
+    default: return Dtype::kFloat;
+  }
+}
+
+void check_cpu(const std::vector<at::Tensor>& grads, const char* op) {
+  TORCH_CHECK(grads[0].is_cpu(), "fastops.", op, " (C++ CPU backend): grads[0] is on ", grads[0].device().str(),
+              "; these kernels take CPU tensors");
+}
+
+}  // namespace
+
+void unscale_check_(const std::vector<at::Tensor>& grads, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
+  check_grads(grads, "unscale_check_");
+  if (grads.empty()) return;
+  check_cpu(grads, "unscale_check_");
+  const float inv = static_cast<float>(read_scalar(inv_scale));
+  // x * 1.0f == x for every non-nan x (and nan stays nan), so a unit scale only needs the check: one read
+  // instead of a read and a write.
+  const bool write = inv != 1.0f;
+  const size_t n = grads.size();
+  std::vector<void*> ptrs(n);
+  std::vector<Dtype> dts(n);
+  for (size_t i = 0; i < n; ++i) {
+    ptrs[i] = grads[i].data_ptr();
+    dts[i] = to_dtype(grads[i].scalar_type());
+  }
+  const FlatLayout layout(n, [&](size_t i) { return grads[i].numel(); });
+  const KernelTable& k = kernels();
+  std::atomic<bool> any{false};
+  at::parallel_for(0, layout.units(), 1, [&](int64_t ub, int64_t ue) {
+    bool bad = false;
+    layout.for_each(ub * FlatLayout::kUnit, ue * FlatLayout::kUnit, [&](size_t i, int64_t b, int64_t e) {
+      const size_t es = dts[i] == Dtype::kFloat ? 4 : 2;
+      bad |= k.unscale(static_cast<char*>(ptrs[i]) + b * es, dts[i], e - b, inv, write);
+    });
+    if (bad) any.store(true, std::memory_order_relaxed);
+  });
+  if (any.load()) found_inf.fill_(1.0);
+}
+
+at::Tensor grad_stats(const std::vector<at::Tensor>& grads) {
+  TORCH_CHECK(!grads.empty(), "fastops.grad_stats: needs at least one tensor");
+  check_grads(grads, "grad_stats");
+  check_cpu(grads, "grad_stats");
+  const size_t n = grads.size();
+  std::vector<const void*> ptrs(n);
+  std::vector<Dtype> dts(n);
+  for (size_t i = 0; i < n; ++i) {
+    ptrs[i] = grads[i].const_data_ptr();
+    dts[i] = to_dtype(grads[i].scalar_type());
+  }
+  const FlatLayout layout(n, [&](size_t i) { return grads[i].numel(); });
+  const KernelTable& k = kernels();
+  // One partial per unit, combined in unit order: the result does not depend on the thread count.
+  std::vector<StatsPartial> parts(static_cast<size_t>(layout.units()), StatsPartial{0.0, 0u});
+  at::parallel_for(0, layout.units(), 1, [&](int64_t ub, int64_t ue) {
+    for (int64_t u = ub; u < ue; ++u) {
+      StatsPartial* acc = &parts[static_cast<size_t>(u)];
+      layout.for_each(u * FlatLayout::kUnit, (u + 1) * FlatLayout::kUnit, [&](size_t i, int64_t b, int64_t e) {
+        const size_t es = dts[i] == Dtype::kFloat ? 4 : 2;
+        k.stats(static_cast<const char*>(ptrs[i]) + b * es, dts[i], e - b, acc);
+      });
+    }
+  });
+  double sum = 0;
+  uint32_t mx = 0;
+  for (const StatsPartial& p : parts) {
+    sum += p.sumsq;
+    mx = p.max_abs_bits > mx ? p.max_abs_bits : mx;
+  }
+  at::Tensor out = at::empty({3}, grads[0].options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  o[0] = static_cast<float>(sum);
+  std::memcpy(&o[1], &mx, sizeof(float));
+  o[2] = mx >= 0x7f800000u ? 1.0f : 0.0f;
+  return out;
+}
+
+}  // namespace cpu
+}  // namespace fastops

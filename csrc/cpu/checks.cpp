@@ -1,0 +1,144 @@
+// TORCH_CHECK versions of fastops/_checks.py. The messages spell shapes, strides, dtypes and devices the
+// way Python prints them ("(4,)", "torch.float32", "cuda:0"); they are built only when a check fails.
+#include <cctype>
+#include <sstream>
+#include <string>
+
+#include <c10/util/Exception.h>
+
+#include "fastops.h"
+
+namespace fastops {
+namespace {
+
+std::string py_tuple(c10::IntArrayRef v) {
+  std::ostringstream os;
+  os << '(';
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) os << ", ";
+    os << v[i];
+  }
+  if (v.size() == 1) os << ',';
+  os << ')';
+  return os.str();
+}
+
+std::string py_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kByte: return "torch.uint8";
+    case at::kChar: return "torch.int8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kHalf: return "torch.float16";
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kComplexHalf: return "torch.complex32";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    case at::kBool: return "torch.bool";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kUInt16: return "torch.uint16";
+    case at::kUInt32: return "torch.uint32";
+    case at::kUInt64: return "torch.uint64";
+    case at::kFloat8_e5m2: return "torch.float8_e5m2";
+    case at::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
+    case at::kFloat8_e5m2fnuz: return "torch.float8_e5m2fnuz";
+    case at::kFloat8_e4m3fnuz: return "torch.float8_e4m3fnuz";
+    default: {
+      std::string s = c10::toString(t);
+      for (auto& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+      return "torch." + s;
+    }
+  }
+}
+
+inline bool is_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+void check_dense(const at::Tensor& t, const std::string& what) {
+  TORCH_CHECK(t.layout() == at::kStrided, "fastops: ", what,
+              " is sparse; only dense (strided) tensors are supported");
+  TORCH_CHECK(!t.is_complex(), "fastops: ", what, " is complex; complex tensors are not supported");
+  TORCH_CHECK(t.is_contiguous() || t.is_non_overlapping_and_dense(), "fastops: ", what,
+              " is not contiguous (its memory is strided with gaps or overlaps); "
+              "fused kernels walk the tensor's memory as one block");
+}
+
+// dtype: the required dtype, or ref's dtype when kUndefined.
+void check_like(const at::Tensor& t, const at::Tensor& ref, const char* what, size_t i, const char* ref_what,
+                at::ScalarType dtype) {
+  TORCH_CHECK(t.sizes() == ref.sizes(), "fastops: ", what, "[", i, "] has shape ", py_tuple(t.sizes()), " but ",
+              ref_what, "[", i, "] has shape ", py_tuple(ref.sizes()));
+  const at::ScalarType want = dtype == at::ScalarType::Undefined ? ref.scalar_type() : dtype;
+  TORCH_CHECK(t.scalar_type() == want, "fastops: ", what, "[", i, "] has dtype ", py_dtype(t.scalar_type()),
+              " but must be ", py_dtype(want), " (as ", ref_what, "[", i, "])");
+  TORCH_CHECK(t.device() == ref.device(), "fastops: ", what, "[", i, "] is on ", t.device().str(), " but ", ref_what,
+              "[", i, "] is on ", ref.device().str());
+  TORCH_CHECK(t.numel() <= 1 || t.strides() == ref.strides(), "fastops: ", what, "[", i, "] has strides ",
+              py_tuple(t.strides()), " but ", ref_what, "[", i, "] has strides ", py_tuple(ref.strides()));
+}
+
+std::string indexed(const char* name, size_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
+
+}  // namespace
+
+void check_adam_args(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                     const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                     const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& state_steps,
+                     const std::vector<at::Tensor>& master_params, bool amsgrad) {
+  const size_t n = params.size();
+  TORCH_CHECK(amsgrad || max_exp_avg_sqs.empty(),
+              "fastops.adam_step_: max_exp_avg_sqs must be empty when amsgrad=False");
+  const bool master = !master_params.empty();
+  struct Named {
+    const char* name;
+    const std::vector<at::Tensor>* list;
+  };
+  // Same order as the dict in _checks.check_adam_args.
+  const Named lists[] = {{"grads", &grads},
+                         {"exp_avgs", &exp_avgs},
+                         {"exp_avg_sqs", &exp_avg_sqs},
+                         {"state_steps", &state_steps},
+                         {"max_exp_avg_sqs", amsgrad ? &max_exp_avg_sqs : nullptr},
+                         {"master_params", master ? &master_params : nullptr}};
+  for (const auto& l : lists) {
+    if (l.list == nullptr) continue;
+    TORCH_CHECK(l.list->size() == n, "fastops.adam_step_: expected ", n, " ", l.name, " (one per param), got ",
+                l.list->size());
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    // check_dense builds its `what` string eagerly; skip it on the fast path.
+    if (!(p.layout() == at::kStrided && !p.is_complex() && (p.is_contiguous() || p.is_non_overlapping_and_dense())))
+      check_dense(p, indexed("params", i));
+    TORCH_CHECK(is_float(p.scalar_type()), "fastops.adam_step_: params[", i, "] has dtype ",
+                py_dtype(p.scalar_type()), "; expected float32, bfloat16 or float16");
+    TORCH_CHECK(p.device() == params[0].device(), "fastops.adam_step_: params[", i, "] is on ", p.device().str(),
+                " but params[0] is on ", params[0].device().str());
+    const at::Tensor& g = grads[i];
+    if (!(g.layout() == at::kStrided && !g.is_complex() && (g.is_contiguous() || g.is_non_overlapping_and_dense())))
+      check_dense(g, indexed("grads", i));
+    check_like(g, p, "grads", i, "params", at::ScalarType::Undefined);
+    check_like(exp_avgs[i], p, "exp_avgs", i, "params", at::kFloat);
+    check_like(exp_avg_sqs[i], p, "exp_avg_sqs", i, "params", at::kFloat);
+    if (amsgrad) check_like(max_exp_avg_sqs[i], p, "max_exp_avg_sqs", i, "params", at::kFloat);
+    if (master) check_like(master_params[i], p, "master_params", i, "params", at::kFloat);
+    const at::Tensor& s = state_steps[i];
+    TORCH_CHECK(s.numel() == 1 && s.scalar_type() == at::kFloat, "fastops.adam_step_: state_steps[", i,
+                "] must be a float32 tensor with one element");
+  }
+}
+
+void check_grads(const std::vector<at::Tensor>& grads, const char* op) {
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    if (!(g.layout() == at::kStrided && !g.is_complex() && (g.is_contiguous() || g.is_non_overlapping_and_dense())))
+      check_dense(g, indexed("grads", i));
+    TORCH_CHECK(is_float(g.scalar_type()), "fastops.", op, ": grads[", i, "] has dtype ", py_dtype(g.scalar_type()),
+                "; expected float32, bfloat16 or float16");
+    TORCH_CHECK(g.device() == grads[0].device(), "fastops.", op, ": grads[", i, "] is on ", g.device().str(),
+                " but grads[0] is on ", grads[0].device().str());
+  }
+}
+
+}  // namespace fastops

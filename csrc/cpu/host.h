@@ -1,0 +1,61 @@
+// Host-side helpers shared by adam.cpp and amp.cpp.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+namespace fastops {
+namespace cpu {
+
+// A scalar tensor's value: a direct load for CPU float32/float64, item() otherwise.
+inline double read_scalar(const at::Tensor& t) {
+  if (t.is_cpu() && t.numel() == 1) {
+    if (t.scalar_type() == at::kFloat) return *static_cast<const float*>(t.const_data_ptr());
+    if (t.scalar_type() == at::kDouble) return *static_cast<const double*>(t.const_data_ptr());
+  }
+  return t.item<double>();
+}
+
+// All tensors of a call laid end to end in one index space, each padded to a multiple of kAlign elements
+// (so a work boundary inside a tensor falls on a 64-byte line for every dtype), cut into units of kUnit
+// elements. at::parallel_for over units then balances 100 small tensors like one large one, and a unit's
+// position never depends on the thread count.
+struct FlatLayout {
+  static constexpr int64_t kAlign = 32;
+  static constexpr int64_t kUnit = 16384;
+
+  std::vector<int64_t> start;  // start[i]: first flat index of tensor i; start[n]: padded total
+  std::vector<int64_t> numel;
+
+  template <class NumelOf>
+  FlatLayout(size_t n, NumelOf numel_of) : start(n + 1), numel(n) {
+    int64_t pos = 0;
+    for (size_t i = 0; i < n; ++i) {
+      start[i] = pos;
+      numel[i] = numel_of(i);
+      pos += (numel[i] + kAlign - 1) / kAlign * kAlign;
+    }
+    start[n] = pos;
+  }
+
+  int64_t units() const { return (start.back() + kUnit - 1) / kUnit; }
+
+  // Calls f(i, begin, end) for each tensor i overlapping flat range [lo, hi), with [begin, end) its local
+  // element range (padding excluded), in tensor order.
+  template <class F>
+  void for_each(int64_t lo, int64_t hi, F&& f) const {
+    const size_t n = numel.size();
+    size_t i = static_cast<size_t>(std::upper_bound(start.begin(), start.end() - 1, lo) - start.begin()) - 1;
+    for (; i < n && start[i] < hi; ++i) {
+      const int64_t b = std::max(lo, start[i]) - start[i];
+      const int64_t e = std::min(hi - start[i], numel[i]);
+      if (b < e) f(i, b, e);
+    }
+  }
+};
+
+}  // namespace cpu
+}  // namespace fastops

@@ -1,0 +1,75 @@
+// The boundary between the host code (adam.cpp, amp.cpp: argument checks, step counters, work split) and
+// the per-ISA kernel bodies (kernels_isa.h, compiled once per ISA by kernels_{default,avx2,avx512}.cpp).
+// Only raw pointers and plain scalars cross it, so the ISA translation units include no torch headers:
+// an inline torch function compiled for AVX-512 there could be picked by the linker for the whole library.
+#pragma once
+
+#include <cstdint>
+
+namespace fastops {
+namespace cpu {
+
+enum class Dtype : int8_t { kFloat = 0, kBFloat16 = 1, kHalf = 2 };
+
+// Scalars of one adam_step_ call, already cast to fp32 the way torch's CPU ops cast Python scalars.
+struct AdamConsts {
+  float lerp_weight;        // 1 - beta1
+  float lerp_weight_m1;     // (1 - beta1) - 1, the coefficient of torch's lerp for weight >= 0.5
+  bool lerp_low;            // |1 - beta1| < 0.5: lerp computes m + w*(g - m), else g - (g - m)*(1 - w)
+  float beta2;
+  float one_minus_beta2;
+  float eps;
+  float weight_decay;       // L2 (decoupled=false) coefficient; the kernel adds it only when l2 is set
+  float decay;              // 1 - lr*wd when decoupled, else 1 (p*1 is exact, so it is always applied)
+  float grad_div;           // grad_scale, negated under maximize; used when has_scale
+  float grad_sign;          // -1 under maximize, else 1; used when !has_scale
+  bool has_scale;
+  bool l2;
+  bool amsgrad;
+};
+
+// One tensor of an adam_step_ call. grad has the param's dtype; the states and master are fp32.
+struct AdamTensor {
+  void* param;
+  const void* grad;
+  float* exp_avg;
+  float* exp_avg_sq;
+  float* max_exp_avg_sq;  // null unless amsgrad
+  float* master;          // null when there are no master weights
+  int64_t numel;
+  Dtype dtype;
+  float neg_step_size;    // -(lr / (1 - beta1^step)), rounded to fp32 like addcdiv_'s value
+  float bc2_sqrt;         // sqrt(1 - beta2^step), rounded to fp32 like the divisor of sqrt(v)
+};
+
+// Reduction partials of grad_stats over a range: sum of squares (fp32 within blocks, blocks added in
+// double) and the largest |x| as bits (IEEE order of non-negative floats is integer order, and every
+// inf/nan compares above 0x7f800000 - 1, so the same max gives max|g|, nan propagation and found_inf).
+struct StatsPartial {
+  double sumsq;
+  uint32_t max_abs_bits;
+};
+
+struct KernelTable {
+  const char* name;
+  // Updates elements [begin, end) of tensor t.
+  void (*adam)(const AdamTensor& t, const AdamConsts& c, int64_t begin, int64_t end);
+  // g[i] *= inv_scale for i in [0, n) when write; returns whether any element was inf or nan (read before
+  // scaling, as torch's kernel checks them).
+  bool (*unscale)(void* g, Dtype dt, int64_t n, float inv_scale, bool write);
+  // Adds [0, n) of g into *acc.
+  void (*stats)(const void* g, Dtype dt, int64_t n, StatsPartial* acc);
+};
+
+extern const KernelTable kTableDefault;
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FASTOPS_MULTI_ISA 1
+extern const KernelTable kTableAvx2;
+extern const KernelTable kTableAvx512;
+#endif
+
+// The table chosen at load time for this CPU (FASTOPS_CPU_CAPABILITY=default|avx2|avx512 lowers it).
+const KernelTable& kernels();
+
+}  // namespace cpu
+}  // namespace fastops

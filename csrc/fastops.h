@@ -1,0 +1,45 @@
+// Declarations shared by the bindings, the C++ CPU kernels and the CUDA bindings.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <pybind11/pybind11.h>
+
+namespace fastops {
+
+// The argument checks of fastops/_checks.py, with the same conditions, order and messages, so that a bad
+// call fails the same way on every backend. Device-agnostic (csrc/cpu/checks.cpp); call them first.
+void check_adam_args(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                     const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                     const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& state_steps,
+                     const std::vector<at::Tensor>& master_params, bool amsgrad);
+// op is the name used in the messages, e.g. "unscale_check_" -> "fastops.unscale_check_: ...".
+void check_grads(const std::vector<at::Tensor>& grads, const char* op);
+
+namespace cpu {
+
+// The three ops, with the positional signatures of fastops/reference.py (semantics: fastops/_ops.py).
+void adam_step_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& state_steps,
+                const std::vector<at::Tensor>& master_params, const at::Tensor& lr, double beta1, double beta2,
+                double eps, double weight_decay, bool amsgrad, bool maximize, bool decoupled,
+                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
+
+void unscale_check_(const std::vector<at::Tensor>& grads, const at::Tensor& found_inf, const at::Tensor& inv_scale);
+
+at::Tensor grad_stats(const std::vector<at::Tensor>& grads);
+
+// "avx512", "avx2" or "default": the kernel set picked at load time for this CPU.
+const char* capability();
+
+}  // namespace cpu
+
+namespace cuda {
+// Defined in csrc/cuda/binding.cpp; compiled and called only when built with -DWITH_CUDA.
+void register_bindings(pybind11::module_ m);
+}  // namespace cuda
+
+}  // namespace fastops
