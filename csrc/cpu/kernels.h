@@ -62,7 +62,10 @@ struct KernelTable {
 };
 
 extern const KernelTable kTableDefault;
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// The AVX2/AVX-512 copies are built only on top of a pre-AVX2 baseline: with -march=native (FASTOPS_NATIVE=1)
+// the baseline copy already has every ISA of the machine, and GCC refuses to inline the intrinsics, which
+// are then compiled for the full native ISA, into a function targeted at a narrower one.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__AVX2__)
 #define FASTOPS_MULTI_ISA 1
 extern const KernelTable kTableAvx2;
 extern const KernelTable kTableAvx512;

@@ -8,7 +8,14 @@
 
 #define FASTOPS_ISA_NS isa_default
 #define FASTOPS_ISA_TABLE kTableDefault
+// Named after what the baseline flags give, so cpu_capability() tells a -march=native build apart.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define FASTOPS_ISA_NAME "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FASTOPS_ISA_NAME "avx2"
+#else
 #define FASTOPS_ISA_NAME "default"
+#endif
 // Whatever the compiler flags enable (all of it under FASTOPS_NATIVE=1 on this machine).
 #if defined(__FMA__)
 #define FASTOPS_HAVE_FMA 1

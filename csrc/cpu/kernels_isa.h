@@ -129,8 +129,10 @@ inline void store_lp(Dtype dt, const float* src, uint16_t* dst, int64_t n) {
 // Per element, the operations, their order and their FMAs are those of fastops.reference.adam_step_
 // (torch's for-loop Adam) as torch's vectorised CPU kernels compute them: add(alpha) = fma(p, wd, g),
 // lerp_ = fma(coeff, g - m, base), mul_ then addcmul_ = fma((1-beta2)*g, g, v*beta2), sqrt / bc2_sqrt + eps,
-// addcdiv_ = p + (-step_size*m) / denom. Measured: fp32 params match the reference bit for bit on AVX-512
-// (1M params, one step); without FMA (default ISA) they differ by rounding, as torch's own would.
+// addcdiv_ = p + (-step_size*m) / denom. Measured on AVX-512/AVX2 (1M params, 5 steps): m and v match the
+// reference bit for bit, p in all but ~0.03% of elements per step, which are 1 ulp off because torch's
+// sqrt_ goes through MKL's vsSqrt (not correctly rounded) while sqrtps is. Without FMA (default ISA) the
+// results differ from the reference by rounding, as torch's own default-capability kernels would.
 
 // What the loop reads and writes besides m and v (bf16 conversions are done in the loop; fp16 params
 // go through kF32 on staged fp32 blocks, since F16C conversions do not auto-vectorise).
@@ -154,23 +156,29 @@ void adam_math(void* __restrict pv, const void* __restrict gv, float* __restrict
   float* __restrict of = static_cast<float*>(outv);
   uint16_t* __restrict ob = static_cast<uint16_t*>(outv);
   const float w = c.lerp_weight, w_m1 = c.lerp_weight_m1;
-  const bool low = c.lerp_low;
+  const uint32_t low_mask = c.lerp_low ? 0xffffffffu : 0u;
   const float beta2 = c.beta2, omb2 = c.one_minus_beta2, eps = c.eps;
   const float wd = c.weight_decay, decay = c.decay, gdiv = c.grad_div, gsign = c.grad_sign;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float g0 = kLowG ? bf16_load(gb[i]) : gf[i];
+    float g0;
+    if constexpr (kLowG) g0 = bf16_load(gb[i]); else g0 = gf[i];
     // -(g / s) == g / (-s) exactly, so maximize is folded into the divisor (or the sign when unscaled).
-    float gi = kScale ? g0 / gdiv : g0 * gsign;
-    float pi = kLowP ? bf16_load(pb[i]) : pf[i];
-    if (kL2) gi = fmadd(pi, wd, gi);
+    float gi;
+    if constexpr (kScale) gi = g0 / gdiv; else gi = g0 * gsign;
+    float pi;
+    if constexpr (kLowP) pi = bf16_load(pb[i]); else pi = pf[i];
+    if constexpr (kL2) gi = fmadd(pi, wd, gi);
     pi = pi * decay;
     float mi = m[i];
     const float d = gi - mi;
-    mi = low ? fmadd(w, d, mi) : fmadd(w_m1, d, gi);
+    // torch's two lerp formulas, picked with a uniform bit mask: GCC 12 does not vectorise a select on a
+    // loop-invariant bool between two FMAs (the whole bf16 loop stayed scalar, 5x slower).
+    const uint32_t lo_bits = as_bits(fmadd(w, d, mi)), hi_bits = as_bits(fmadd(w_m1, d, gi));
+    mi = as_float((lo_bits & low_mask) | (hi_bits & ~low_mask));
     const float vi = fmadd(omb2 * gi, gi, v[i] * beta2);
     float vu = vi;
-    if (kAms) {
+    if constexpr (kAms) {
       float vm = vmax[i];
       vm = (vm > vi || vm != vm) ? vm : vi;  // torch.maximum: nan wins
       vmax[i] = vm;
@@ -178,9 +186,9 @@ void adam_math(void* __restrict pv, const void* __restrict gv, float* __restrict
     }
     const float denom = __builtin_sqrtf(vu) / bc2_sqrt + eps;
     pi = pi + (neg_step_size * mi) / denom;
-    if (kLowP) pb[i] = bf16_round(pi); else pf[i] = pi;
-    if (kKind == kF32Master) of[i] = pi;
-    if (kKind == kBF16Master) ob[i] = bf16_round(pi);
+    if constexpr (kLowP) pb[i] = bf16_round(pi); else pf[i] = pi;
+    if constexpr (kKind == kF32Master) of[i] = pi;
+    if constexpr (kKind == kBF16Master) ob[i] = bf16_round(pi);
     m[i] = mi;
     v[i] = vi;
   }
