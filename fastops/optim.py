@@ -65,6 +65,9 @@ class _FusedAdamMixin:
     _step_supports_amp_scaling = True
     _fastops_amp = True  # fastops.amp.GradScaler hands this optimizer the scale instead of unscaling first
     last_grad_norm: Tensor | None = None
+    # Set per instance by fastops.accelerate when grads are sharded across ranks (FSDP2): maps this rank's
+    # grad_stats to the global ones (an all-reduce), so the clip norm and the skip decision agree on all ranks.
+    reduce_grad_stats = None
 
     def _fastops_init(self, master_weights: bool, max_grad_norm: float | None) -> None:
         if max_grad_norm is not None and not 0.0 <= max_grad_norm:
@@ -180,6 +183,8 @@ class _FusedAdamMixin:
         if work and (clipping or (grad_scale is not None and found_inf is None)):
             # One read of every grad gives the norm and the inf/nan flag; no host sync.
             stats = amp.grad_stats([g for _, calls in work for lists in calls for g in lists[1]])
+            if self.reduce_grad_stats is not None:
+                stats = self.reduce_grad_stats(stats)
             if found_inf is None:
                 found_inf = stats[2] if grad_scale is not None else None
             norm = stats[0].sqrt() if grad_scale is None else stats[0].sqrt() / grad_scale
