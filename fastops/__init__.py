@@ -13,9 +13,10 @@ from typing import Iterator
 
 from . import _ops, amp, optim  # noqa: F401  (_ops registers torch.ops.fastops.*)
 from .amp import clip_grad_norm_
+from .accelerate import Accelerator, accelerate
 
 __version__ = "0.1.0"
-__all__ = ["optim", "amp", "data", "clip_grad_norm_", "patch", "unpatch", "patched"]
+__all__ = ["optim", "amp", "data", "accelerate", "Accelerator", "clip_grad_norm_", "patch", "unpatch", "patched"]
 
 # (module, attribute, fastops replacement). Both the package attribute and the defining module are
 # swapped so `torch.optim.AdamW` and `from torch.optim.adamw import AdamW` both see fastops.

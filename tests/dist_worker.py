@@ -1,0 +1,176 @@
+"""2-rank runs of fastops.accelerate for tests/test_accelerate.py, launched as
+``python -m torch.distributed.run --nproc_per_node=2 tests/dist_worker.py STRATEGY OUT``.
+
+Each scenario trains a tiny model on a map-style DataLoader with the loop unchanged; rank 0 saves the
+mean loss of every step and the full parameters to OUT, and the test compares them with ``reference``:
+one process, plain torch, on the same global batches. The model and data live here so both sides share them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's fastops
+
+N, PER_RANK_BATCH, WORLD = 32, 4, 2
+SCENARIOS = {
+    # grad_clip 0.05 is below the grad norm of every step here, so clipping is active throughout.
+    "adamw_clip": dict(opt="adamw", grad_clip=0.05, accumulate=1, epochs=2, shuffle=True),
+    "accumulate": dict(opt="adamw", grad_clip=None, accumulate=2, epochs=1, shuffle=False),
+    "sgd_clip": dict(opt="sgd", grad_clip=0.05, accumulate=1, epochs=1, shuffle=False),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(Block(8) for _ in range(2))
+        self.head = nn.Linear(8, 1)  # bias of 1 element: rank 1's FSDP2 shard of it is empty
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g)
+
+
+def make(opt_kind: str):
+    torch.manual_seed(0)
+    model = Net()
+    if opt_kind == "adamw":
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def global_batches(sc):
+    """The indices of each global step: DistributedSampler's order (seed 0 + epoch), rank r taking every
+    WORLD-th index, both ranks' per-rank batches side by side."""
+    out = []
+    for epoch in range(sc["epochs"]):
+        if sc["shuffle"]:
+            idx = torch.randperm(N, generator=torch.Generator().manual_seed(epoch))
+        else:
+            idx = torch.arange(N)
+        per_rank = [idx[r::WORLD] for r in range(WORLD)]
+        for i in range(0, N // WORLD, PER_RANK_BATCH):
+            out.append(torch.cat([p[i : i + PER_RANK_BATCH] for p in per_rank]))
+    return out
+
+
+def reference(name: str):
+    """Plain torch in one process: losses per global batch and the final parameters."""
+    sc = SCENARIOS[name]
+    x, y = data()
+    model, opt = make(sc["opt"])
+    batches = global_batches(sc)
+    k = sc["accumulate"]
+    losses = []
+    for i in range(0, len(batches), k):
+        idx = torch.cat(batches[i : i + k])  # k global micro-batches = one batch of k times the size
+        loss = F.mse_loss(model(x[idx]), y[idx])
+        loss.backward()
+        if sc["grad_clip"] is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), sc["grad_clip"])
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    inner = model.module if hasattr(model, "no_sync") else model
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in inner.named_parameters()}
+
+
+def _train(name: str, strategy: str, precision: str = "fp32"):
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fastops.accelerate import accelerate
+
+    sc = SCENARIOS[name]
+    model, opt = make(sc["opt"])
+    loader = DataLoader(TensorDataset(*data()), batch_size=PER_RANK_BATCH, shuffle=sc["shuffle"])
+    model, opt, loader = accelerate(
+        model, opt, loader, precision=precision, strategy=strategy, grad_clip=sc["grad_clip"], accumulate=sc["accumulate"]
+    )
+    losses = []
+    for _ in range(sc["epochs"]):
+        for x, y in loader:
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / WORLD)
+    return model, opt, losses
+
+
+def main(strategy: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from fastops.accelerate import accelerate
+
+    results = {}
+    for name in SCENARIOS:
+        model, opt, losses = _train(name, strategy)
+        results[name] = {"losses": losses, "params": _full(model)}
+
+    # Checkpoint: every rank calls save and load; new objects must get the saved parameters and state.
+    ckpt = os.path.join(os.path.dirname(out), f"ckpt_{strategy}.pt")
+    model, opt, _ = _train("adamw_clip", strategy)
+    acc = opt.accelerator
+    acc.save(ckpt)
+    saved = _full(model)
+    saved_state = [v.clone() for s in opt.state.values() for k, v in sorted(s.items()) if torch.is_tensor(v) and v.dim()]
+    model2, opt2 = make("adamw")
+    model2, opt2, _ = accelerate(model2, opt2, precision="fp32", strategy=strategy)
+    opt2.accelerator.load(ckpt)
+    state2 = [v for s in opt2.state.values() for k, v in sorted(s.items()) if torch.is_tensor(v) and v.dim()]
+    same = all(torch.equal(saved[n], p) for n, p in _full(model2).items()) and len(state2) == len(saved_state)
+    same = same and all(torch.equal(_local(a), _local(b)) for a, b in zip(saved_state, state2))
+    flag = torch.tensor([float(same)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    results["checkpoint_ok"] = bool(flag.item())
+
+    # fp16 under the strategy: every rank must skip the same steps and keep the same scale.
+    # fp16 under the strategy, with fastops' AdamW and with SGD: every rank must skip the same steps.
+    for name in ("adamw_clip", "sgd_clip"):
+        model, opt, losses = _train(name, strategy, precision="fp16")
+        scales = [None] * WORLD
+        dist.all_gather_object(scales, opt.accelerator.scaler.get_scale())
+        results[f"fp16_{name}"] = {"losses": losses, "scales": scales}
+
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _local(t):
+    return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
