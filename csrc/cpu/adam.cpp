@@ -17,14 +17,6 @@ namespace cpu {
 
 namespace {
 
-Dtype to_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16: return Dtype::kBFloat16;
-    case at::kHalf: return Dtype::kHalf;
-    default: return Dtype::kFloat;
-  }
-}
-
 }  // namespace
 
 void adam_step_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,

@@ -16,14 +16,6 @@ namespace cpu {
 
 namespace {
 
-Dtype to_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16: return Dtype::kBFloat16;
-    case at::kHalf: return Dtype::kHalf;
-    default: return Dtype::kFloat;
-  }
-}
-
 void check_cpu(const std::vector<at::Tensor>& grads, const char* op) {
   TORCH_CHECK(grads[0].is_cpu(), "fastops.", op, " (C++ CPU backend): grads[0] is on ", grads[0].device().str(),
               "; these kernels take CPU tensors");

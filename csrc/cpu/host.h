@@ -7,10 +7,20 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "cpu/kernels.h"
+
 namespace fastops {
 namespace cpu {
 
 // A scalar tensor's value: a direct load for CPU float32/float64, item() otherwise.
+inline Dtype to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return Dtype::kBFloat16;
+    case at::kHalf: return Dtype::kHalf;
+    default: return Dtype::kFloat;
+  }
+}
+
 inline double read_scalar(const at::Tensor& t) {
   if (t.is_cpu() && t.numel() == 1) {
     if (t.scalar_type() == at::kFloat) return *static_cast<const float*>(t.const_data_ptr());

@@ -80,10 +80,7 @@ __device__ __forceinline__ void accumulate(Stats& s, float x) {
 
 // Block-wide fold with a fixed shape; the result is valid in thread 0. Ends with a barrier so the next
 // call may reuse the shared buffer.
-__device__ Stats block_reduce(Stats s) {
-  __shared__ Stats warp_sums[kThreads / 32];
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
+__device__ Stats warp_reduce(Stats s) {
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) {
     Stats o;
@@ -93,19 +90,19 @@ __device__ Stats block_reduce(Stats s) {
     o.bad = __shfl_down_sync(0xffffffffu, s.bad, off);
     s = combine(s, o);
   }
+  return s;
+}
+
+__device__ Stats block_reduce(Stats s) {
+  __shared__ Stats warp_sums[kThreads / 32];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  s = warp_reduce(s);
   if (lane == 0) warp_sums[warp] = s;
   __syncthreads();
   if (warp == 0) {
     s = lane < static_cast<int>(blockDim.x / 32) ? warp_sums[lane] : Stats{0.0f, 0.0f, 0, 0};
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) {
-      Stats o;
-      o.sq = __shfl_down_sync(0xffffffffu, s.sq, off);
-      o.amax = __shfl_down_sync(0xffffffffu, s.amax, off);
-      o.has_nan = __shfl_down_sync(0xffffffffu, s.has_nan, off);
-      o.bad = __shfl_down_sync(0xffffffffu, s.bad, off);
-      s = combine(s, o);
-    }
+    s = warp_reduce(s);
   }
   __syncthreads();
   return s;
