@@ -28,9 +28,9 @@ step info 60 python -m fastops info
 step tests_cuda 150 python -m pytest -q -m cuda tests
 step bench_adamw 90 python benchmarks/bench_adamw.py --device cuda --sizes 1 16 100 --rounds 5 --repeats 10
 step bench_amp 60 python benchmarks/bench_amp.py --device cuda --rounds 5 --repeats 10
-if [ -f benchmarks/bench_prefetch.py ]; then
-  step bench_prefetch 60 python benchmarks/bench_prefetch.py --quick
-fi
+step bench_prefetch 60 python benchmarks/bench_prefetch.py --quick
+# End to end: plain PyTorch vs fastops.accelerate on the demo's TinyGPT (bench_train.py is CPU-only so far).
+step demo 90 python -m fastops demo --device cuda --steps 60
 cp benchmarks/results/*cuda* "$out"/ 2>/dev/null || true
 echo "gpu_check finished with status $status; logs in $out"
 exit $status
