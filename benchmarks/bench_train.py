@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from common import RESULTS, hardware, sync, write_results  # noqa: E402
+from common import hardware, sync, write_results  # noqa: E402
 
 from fastops.accelerate import accelerate  # noqa: E402
 

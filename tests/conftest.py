@@ -19,7 +19,3 @@ def cpu_backend(request):
     """Serve CPU tensors with each CPU backend in turn. A backend that fails to load fails the test."""
     with _backend.use("cpu", request.param):
         yield request.param
-
-
-def devices():
-    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

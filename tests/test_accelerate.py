@@ -290,15 +290,10 @@ def test_loader_kinds_and_set_epoch():
 
 
 def test_compile_smoke():
-    pytest.importorskip("torch._inductor")
+    # CI and the dev machines have gcc, so inductor must compile here: any failure is a real one.
     model, opt = make()
     model, opt, loader = accelerate(model, opt, batches(3), precision="fp32", compile=True)
-    try:
-        losses = loop(model, opt, loader)
-    except Exception as e:  # noqa: BLE001 - no working C++ toolchain for inductor is not our failure
-        if "InductorError" in type(e).__name__ or "CppCompileError" in repr(e):
-            pytest.skip(f"inductor cannot compile here: {e}")
-        raise
+    losses = loop(model, opt, loader)
     assert all(torch.isfinite(torch.tensor(losses)))
 
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import fastops
-from fastops import _backend
 
 STEPS = 50
 

@@ -11,7 +11,7 @@ import torch
 import fastops
 import fastops.amp as famp
 from fastops import _backend, reference
-from tests.test_ops import _assert_adam_close, _clone, adam_inputs
+from tests.test_ops import _assert_adam_close, adam_inputs
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CUDA_BACKENDS = ("triton", "cuda", "reference")
