@@ -15,7 +15,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("found_inf"), py::call_guard<py::gil_scoped_release>());
   cpp.def("unscale_check_", &fastops::cpu::unscale_check_, py::arg("grads"), py::arg("found_inf"),
           py::arg("inv_scale"), py::call_guard<py::gil_scoped_release>());
-  cpp.def("grad_stats", &fastops::cpu::grad_stats, py::arg("grads"), py::call_guard<py::gil_scoped_release>());
+  cpp.def("grad_stats", &fastops::cpu::grad_stats, py::arg("grads"), py::arg("inv_scale") = py::none(),
+          py::call_guard<py::gil_scoped_release>());
 
 #ifdef WITH_CUDA
   m.attr("WITH_CUDA") = true;

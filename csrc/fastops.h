@@ -17,6 +17,10 @@ void check_adam_args(const std::vector<at::Tensor>& params, const std::vector<at
                      const std::vector<at::Tensor>& master_params, bool amsgrad);
 // op is the name used in the messages, e.g. "unscale_check_" -> "fastops.unscale_check_: ...".
 void check_grads(const std::vector<at::Tensor>& grads, const char* op);
+// A one-element floating tensor on `device` or the CPU (kernels read it through a pointer or on the host).
+void check_scalar(const at::Tensor& t, const char* op, const char* what, const at::Device& device);
+// One float32 element on `device`: the kernels write 1.0 into it.
+void check_found_inf(const at::Tensor& found_inf, const char* op, const at::Device& device);
 
 namespace cpu {
 
@@ -30,7 +34,7 @@ void adam_step_(const std::vector<at::Tensor>& params, const std::vector<at::Ten
 
 void unscale_check_(const std::vector<at::Tensor>& grads, const at::Tensor& found_inf, const at::Tensor& inv_scale);
 
-at::Tensor grad_stats(const std::vector<at::Tensor>& grads);
+at::Tensor grad_stats(const std::vector<at::Tensor>& grads, const std::optional<at::Tensor>& inv_scale);
 
 // "avx512", "avx2" or "default": the kernel set picked at load time for this CPU.
 const char* capability();

@@ -82,3 +82,22 @@ def check_grads(grads, op: str) -> None:
             raise RuntimeError(f"fastops.{op}: grads[{i}] has dtype {g.dtype}; expected float32, bfloat16 or float16")
         if g.device != grads[0].device:
             raise RuntimeError(f"fastops.{op}: grads[{i}] is on {g.device} but grads[0] is on {grads[0].device}")
+
+
+def check_scalar(t: torch.Tensor, op: str, what: str, device: torch.device) -> None:
+    """A one-element floating tensor on ``device`` or the CPU (kernels read it through a pointer or on the host)."""
+    if t.numel() != 1 or not t.is_floating_point():
+        raise RuntimeError(
+            f"fastops.{op}: {what} must be a floating tensor with one element, got {t.dtype} of shape {tuple(t.shape)}"
+        )
+    if t.device != device and t.device.type != "cpu":
+        raise RuntimeError(f"fastops.{op}: {what} is on {t.device} but the tensors are on {device}; pass it on {device} or the CPU")
+
+
+def check_found_inf(found_inf: torch.Tensor, op: str, device: torch.device) -> None:
+    """One float32 element on ``device``: the kernels write 1.0 into it."""
+    if found_inf.numel() != 1 or found_inf.dtype != torch.float32 or found_inf.device != device:
+        raise RuntimeError(
+            f"fastops.{op}: found_inf must be one float32 element on {device} (the kernel writes it), "
+            f"got {found_inf.dtype} of shape {tuple(found_inf.shape)} on {found_inf.device}"
+        )

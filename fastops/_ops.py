@@ -24,8 +24,9 @@ Semantics shared by every backend:
 
 ``grad_stats``
     One read of all grads. Returns a float32 tensor of shape (3,) on the grads' device:
-    ``[sum of squares, max |g|, found_inf]``, accumulated in fp32. ``found_inf`` comes from the elements
-    themselves, not from the sum overflowing.
+    ``[sum of (g * inv_scale)^2, max |g| * inv_scale, found_inf]``, accumulated in fp32 (``inv_scale``
+    defaults to 1). Grads are unscaled before squaring, so a GradScaler's scale cannot overflow the sum.
+    ``found_inf`` comes from the elements as they are, not from the sum overflowing.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ SCHEMAS = {
         "bool decoupled, Tensor? grad_scale, Tensor? found_inf) -> ()"
     ),
     "unscale_check_": "unscale_check_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()",
-    "grad_stats": "grad_stats(Tensor[] grads) -> Tensor",
+    "grad_stats": "grad_stats(Tensor[] grads, Tensor? inv_scale=None) -> Tensor",
 }
 
 # Positions of the mutated arguments, so the dispatcher kernel can bump autograd version counters the way
@@ -61,7 +62,7 @@ def _fake_unscale_check_(*args) -> None:
     return None
 
 
-def _fake_grad_stats(grads):
+def _fake_grad_stats(grads, inv_scale=None):
     torch._check(len(grads) > 0, lambda: "fastops.grad_stats: needs at least one tensor")
     return grads[0].new_empty((3,), dtype=torch.float32)
 

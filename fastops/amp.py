@@ -28,10 +28,15 @@ def _by_device(tensors: Iterable[Tensor]) -> dict[torch.device, list[Tensor]]:
     return out
 
 
-def grad_stats(grads: list[Tensor]) -> Tensor:
-    """``[sum of squares, max |g|, found_inf]`` over grads on any number of devices, on the first one's
-    device, with no host sync. Empty input gives zeros on the CPU."""
-    parts = [_ops.grad_stats(ts) for ts in _by_device(grads).values()]
+def grad_stats(grads: list[Tensor], inv_scale: Tensor | None = None) -> Tensor:
+    """``[sum of (g * inv_scale)^2, max |g| * inv_scale, found_inf]`` over grads on any number of devices,
+    on the first one's device, with no host sync. Empty input gives zeros on the CPU."""
+    parts = []
+    for device, ts in _by_device(grads).items():
+        inv = inv_scale
+        if inv is not None and inv.device != device and inv.device.type != "cpu":
+            inv = inv.to(device, non_blocking=True)
+        parts.append(_ops.grad_stats(ts, inv))
     if not parts:
         return torch.zeros(3)
     if len(parts) == 1:

@@ -182,12 +182,14 @@ class _FusedAdamMixin:
         norm = None
         if work and (clipping or (grad_scale is not None and found_inf is None)):
             # One read of every grad gives the norm and the inf/nan flag; no host sync.
-            stats = amp.grad_stats([g for _, calls in work for lists in calls for g in lists[1]])
+            # Unscaled inside the read, before squaring: scaled fp32 grads above 1.8e19 would square to inf.
+            inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+            stats = amp.grad_stats([g for _, calls in work for lists in calls for g in lists[1]], inv_scale)
             if self.reduce_grad_stats is not None:
                 stats = self.reduce_grad_stats(stats)
             if found_inf is None:
                 found_inf = stats[2] if grad_scale is not None else None
-            norm = stats[0].sqrt() if grad_scale is None else stats[0].sqrt() / grad_scale
+            norm = stats[0].sqrt()
             self.last_grad_norm = norm
         if found_inf is not None:
             self.step_was_skipped = found_inf != 0

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ._checks import check_adam_args, check_grads
+from ._checks import check_adam_args, check_found_inf, check_grads, check_scalar
 
 
 @torch.no_grad()
@@ -20,6 +20,11 @@ def adam_step_(
     lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, grad_scale, found_inf,
 ):  # fmt: skip
     check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad)
+    if not params:
+        return
+    for name, t in (("lr", lr), ("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if t is not None:
+            check_scalar(t, "adam_step_", name, params[0].device)
     if found_inf is not None and found_inf.item() != 0:
         return
     lr = float(lr.item())
@@ -59,6 +64,10 @@ def adam_step_(
 @torch.no_grad()
 def unscale_check_(grads, found_inf, inv_scale):
     check_grads(grads, "unscale_check_")
+    if not grads:
+        return
+    check_found_inf(found_inf, "unscale_check_", grads[0].device)
+    check_scalar(inv_scale, "unscale_check_", "inv_scale", grads[0].device)
     for g in grads:
         if g.numel() and not torch.isfinite(g).all():
             found_inf.fill_(1.0)
@@ -67,17 +76,23 @@ def unscale_check_(grads, found_inf, inv_scale):
 
 
 @torch.no_grad()
-def grad_stats(grads):
+def grad_stats(grads, inv_scale=None):
     if len(grads) == 0:
         raise RuntimeError("fastops.grad_stats: needs at least one tensor")
     check_grads(grads, "grad_stats")
-    out = torch.zeros(3, dtype=torch.float32, device=grads[0].device)
+    device = grads[0].device
+    if inv_scale is not None:
+        check_scalar(inv_scale, "grad_stats", "inv_scale", device)
+        inv = inv_scale.to(device=device, dtype=torch.float32).reshape(())
+    out = torch.zeros(3, dtype=torch.float32, device=device)
     for g in grads:
         if g.numel() == 0:
             continue
         g32 = g.float()
         finite = torch.isfinite(g32).all()
-        out[0] += g32.square().sum()
-        out[1] = torch.maximum(out[1], g32.abs().max())
+        # Unscaled before squaring: a scaled fp32 grad above 1.8e19 would square to inf.
+        u = g32 if inv_scale is None else g32 * inv
+        out[0] += u.square().sum()
+        out[1] = torch.maximum(out[1], u.abs().max())
         out[2] = torch.maximum(out[2], (~finite).float())
     return out

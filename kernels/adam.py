@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastops._checks import check_adam_args
+from fastops._checks import check_adam_args, check_scalar
 
 # Largest finite fp32. |x| <= this is false exactly for inf and nan, and unlike x - x == 0 no compiler
 # flag can fold it away.
@@ -150,16 +150,13 @@ def device_scope(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def scalar_source(t: torch.Tensor, device: torch.device, what: str, on_host: bool = False):
+def scalar_source(t: torch.Tensor, device: torch.device, op: str, what: str, on_host: bool = False):
     """Where the kernel gets a one-element tensor's value: ``(t, 0.0)`` to read it through a pointer (it is
     on ``device``), or ``(None, value)`` when it is a CPU tensor read here (no device sync)."""
-    if t.numel() != 1:
-        raise RuntimeError(f"fastops: {what} must have one element, got shape {tuple(t.shape)}")
+    check_scalar(t, op, what, device)
     if t.device == device and not on_host:
         return t, 0.0
-    if t.device.type == "cpu":
-        return None, float(t.item())
-    raise RuntimeError(f"fastops: {what} is on {t.device} but the tensors are on {device}; pass it on {device} or the CPU")
+    return None, float(t.item())
 
 
 def group_by_dtype(tensors) -> dict:
@@ -384,13 +381,13 @@ def _adam_step(
                 f"fastops.adam_step_: state_steps[{i}] is on {s.device} but params[0] is on {device}; "
                 "the kernel reads each step through a pointer"
             )
-    lr_t, lr_value = scalar_source(lr, device, "adam_step_: lr", scalars_on_host)
+    lr_t, lr_value = scalar_source(lr, device, "adam_step_", "lr", scalars_on_host)
     scale_t, scale_value = (None, 1.0)
     if grad_scale is not None:
-        scale_t, scale_value = scalar_source(grad_scale, device, "adam_step_: grad_scale", scalars_on_host)
+        scale_t, scale_value = scalar_source(grad_scale, device, "adam_step_", "grad_scale", scalars_on_host)
     inf_t = None
     if found_inf is not None:
-        inf_t, inf_value = scalar_source(found_inf, device, "adam_step_: found_inf", scalars_on_host)
+        inf_t, inf_value = scalar_source(found_inf, device, "adam_step_", "found_inf", scalars_on_host)
         if inf_t is None and inf_value != 0:
             return
     steps = list(state_steps)

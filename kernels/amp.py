@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastops._checks import check_grads
+from fastops._checks import check_found_inf, check_grads
 
 from .adam import FLOAT32_MAX, TABLES, _ld, _round_to, _st, block_sizes, device_scope, group_by_dtype, scalar_source
 
@@ -73,25 +73,32 @@ def _unscale_check_kernel(
 
 
 @triton.jit
-def _stats_block(g_ptr, offs, numel, sq, amax, nan, bad, EVEN: tl.constexpr):
+def _stats_block(g_ptr, offs, numel, inv, sq, amax, nan, bad, EVEN: tl.constexpr):
     mask = offs < numel
     x = _ld(g_ptr, offs, mask, EVEN).to(tl.float32)
-    a = tl.abs(x)
-    is_nan = x != x
-    sq += x * x
+    # The inf/nan check is on the grad as it is; the norm is of the unscaled grad, unscaled before
+    # squaring (a scaled fp32 grad above 1.8e19 would square to inf).
+    bad = tl.where(tl.abs(x) <= FLOAT32_MAX, bad, 1)
+    u = x * inv
+    a = tl.abs(u)
+    is_nan = u != u
+    sq += u * u
     # nan is tracked apart and put back at the end: how max treats nan differs between backends.
     amax = tl.maximum(amax, tl.where(is_nan, 0.0, a))
     nan = tl.where(is_nan, 1, nan)
-    bad = tl.where(a <= FLOAT32_MAX, bad, 1)
     return sq, amax, nan, bad
 
 
 @triton.jit
 def _grad_stats_kernel(
-    rows, chunks, partials, first_partial,
-    G_DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+    rows, chunks, partials, first_partial, inv_ptr, inv_value,
+    G_DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, INV_PTR: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     pid, g_ptr, start, numel = _chunk_start(rows, chunks, CHUNK, G_DTYPE, ALIGNED)
+    if INV_PTR:
+        inv = tl.load(inv_ptr).to(tl.float32)
+    else:
+        inv = inv_value
     sq = tl.zeros([BLOCK], dtype=tl.float32)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     nan = tl.zeros([BLOCK], dtype=tl.int32)
@@ -99,11 +106,11 @@ def _grad_stats_kernel(
     if start + CHUNK <= numel:
         for off in range(0, CHUNK, BLOCK):
             offs = start + off + tl.arange(0, BLOCK)
-            sq, amax, nan, bad = _stats_block(g_ptr, offs, numel, sq, amax, nan, bad, True)
+            sq, amax, nan, bad = _stats_block(g_ptr, offs, numel, inv, sq, amax, nan, bad, True)
     else:
         for tail_off in range(0, numel - start, BLOCK):
             tail_offs = start + tail_off + tl.arange(0, BLOCK)
-            sq, amax, nan, bad = _stats_block(g_ptr, tail_offs, numel, sq, amax, nan, bad, False)
+            sq, amax, nan, bad = _stats_block(g_ptr, tail_offs, numel, inv, sq, amax, nan, bad, False)
     mx = tl.max(amax, axis=0)
     mx = tl.where(tl.max(nan, axis=0) > 0, float("nan"), mx)
     out = partials + (first_partial + pid) * 3
@@ -149,12 +156,8 @@ def _unscale_check(grads, found_inf, inv_scale, scalars_on_host: bool = False):
     if len(grads) == 0:
         return
     device = grads[0].device
-    if found_inf.device != device or found_inf.numel() != 1:
-        raise RuntimeError(
-            f"fastops.unscale_check_: found_inf must be one element on {device} (the kernel writes it), "
-            f"got shape {tuple(found_inf.shape)} on {found_inf.device}"
-        )
-    inv_t, inv_value = scalar_source(inv_scale, device, "unscale_check_: inv_scale", scalars_on_host)
+    check_found_inf(found_inf, "unscale_check_", device)
+    inv_t, inv_value = scalar_source(inv_scale, device, "unscale_check_", "inv_scale", scalars_on_host)
     chunk, block, num_warps = block_sizes("unscale")
     with device_scope(device):
         for dtype, idx in group_by_dtype(grads).items():
@@ -169,11 +172,19 @@ def _unscale_check(grads, found_inf, inv_scale, scalars_on_host: bool = False):
 
 
 @torch.no_grad()
-def grad_stats(grads):
+def grad_stats(grads, inv_scale=None):
+    return _grad_stats(grads, inv_scale)
+
+
+def _grad_stats(grads, inv_scale=None, scalars_on_host: bool = False):
+    """``scalars_on_host``: as in ``_unscale_check``."""
     if len(grads) == 0:
         raise RuntimeError("fastops.grad_stats: needs at least one tensor")
     check_grads(grads, "grad_stats")
     device = grads[0].device
+    inv_t, inv_value = None, 1.0
+    if inv_scale is not None:
+        inv_t, inv_value = scalar_source(inv_scale, device, "grad_stats", "inv_scale", scalars_on_host)
     chunk, block, num_warps = block_sizes("stats")
     _, reduce_block, reduce_warps = block_sizes("stats_reduce")
     with device_scope(device):
@@ -188,9 +199,9 @@ def grad_stats(grads):
             if table.n_chunks == 0:
                 continue
             _grad_stats_kernel[(table.n_chunks,)](
-                table.rows, table.chunks, partials, first,
-                G_DTYPE=_TL_DTYPE[dtype], CHUNK=chunk, BLOCK=block, ALIGNED=table.aligned,
-                num_warps=num_warps, enable_fp_fusion=False,
+                table.rows, table.chunks, partials, first, table.rows if inv_t is None else inv_t, inv_value,
+                G_DTYPE=_TL_DTYPE[dtype], CHUNK=chunk, BLOCK=block, INV_PTR=inv_t is not None,
+                ALIGNED=table.aligned, num_warps=num_warps, enable_fp_fusion=False,
             )  # fmt: skip
             first += table.n_chunks
         _grad_stats_reduce_kernel[(1,)](

@@ -139,26 +139,87 @@ def test_unscale_check_matches_reference(cpu_backend, dtype, poison, where):
     assert found.item() == found_ref.item()
 
 
+def test_unscale_check_matches_torch_amp_kernel(cpu_backend):
+    # The semantics fastops promises: torch._amp_foreach_non_finite_check_and_unscale_'s, bit for bit on
+    # finite values (nan payloads may differ). Both scale directions, so values really change.
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for inv_value in (2.0**-16, 3.0):
+            grads = _grads_with([1023, 1, 77], dtype, float("nan"), "last")
+            want = [t.clone() for t in grads]
+            found, found_torch = torch.zeros(1), torch.zeros(1)
+            ops.unscale_check_(grads, found, torch.tensor(inv_value))
+            torch._amp_foreach_non_finite_check_and_unscale_(want, found_torch, torch.tensor([inv_value]))
+            assert found.item() == found_torch.item() == 1.0
+            for a, b in zip(grads, want):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def _exact_stats(grads, inv):
+    """fp64 oracle: [sum of (g*inv)^2, max |g|*inv, any non-finite]."""
+    flat = torch.cat([t.double().flatten() for t in grads]) * (1.0 if inv is None else inv)
+    if flat.numel() == 0:
+        return [0.0, 0.0, 0.0]
+    return [flat.square().sum().item(), flat.abs().max().item(), float(not flat.isfinite().all())]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("poison", POISONS, ids=str)
 @pytest.mark.parametrize("where", ["first", "last"])
-def test_grad_stats_matches_reference(cpu_backend, dtype, poison, where):
+@pytest.mark.parametrize("inv", [None, 2.0**-16])
+def test_grad_stats_matches_reference(cpu_backend, dtype, poison, where, inv):
     grads = _grads_with(_sizes(cpu_backend), dtype, poison, where)
-    got, want = ops.grad_stats(grads), reference.grad_stats(grads)
+    inv_t = None if inv is None else torch.tensor(inv)
+    got, want = ops.grad_stats(grads, inv_t), reference.grad_stats(grads, inv_t)
+    exact = _exact_stats(grads, inv)
     assert got.dtype == torch.float32 and got.shape == (3,)
-    assert got[2].item() == want[2].item() == (0.0 if poison is None else 1.0)
+    assert got[2].item() == want[2].item() == exact[2] == (0.0 if poison is None else 1.0)
     if poison is None:
         # fp32 sums over 10^6 elements in a different order: relative error ~ sqrt(n) * 2^-24 ~ 1e-4 worst case
         torch.testing.assert_close(got[:2], want[:2], rtol=1e-4, atol=0)
-        exact = torch.cat([t.double().flatten() for t in grads])
-        assert abs(got[0].item() - exact.square().sum().item()) <= 1e-4 * exact.square().sum().item()
+        assert got[0].item() == pytest.approx(exact[0], rel=1e-4)
+        assert got[1].item() == pytest.approx(exact[1], rel=1e-7)  # max is exact up to the fp32 multiply
+    else:
+        # inf/nan reach the sum and the max as torch's norm would: inf^2 = inf, nan anywhere gives nan.
+        expect = torch.tensor(exact[:2], dtype=torch.float32)
+        torch.testing.assert_close(got[:2], expect, equal_nan=True)
+        torch.testing.assert_close(want[:2], expect, equal_nan=True)
 
 
-def test_grad_stats_no_overflow_for_large_finite_fp16():
+def test_grad_stats_no_overflow_for_large_finite_fp16(cpu_backend):
     grads = [torch.full((4096,), 60000.0, dtype=torch.float16)]
     out = ops.grad_stats(grads)
     assert out[2].item() == 0 and torch.isfinite(out[0])
     assert out[0].item() == pytest.approx(4096 * 60000.0**2, rel=1e-6)
+
+
+def test_grad_stats_unscales_before_squaring(cpu_backend):
+    # fp32 grads behind a 2^70 loss scale (a GradScaler reaches it after enough clean steps): the scaled
+    # squares overflow fp32, the unscaled ones do not.
+    grads = [torch.full((1000,), 3.9e20), torch.full((5,), -1e21)]
+    inv = torch.tensor(2.0**-70)
+    assert ops.grad_stats(grads)[0].item() == float("inf")
+    got = ops.grad_stats(grads, inv)
+    exact = _exact_stats(grads, 2.0**-70)
+    assert got[2].item() == 0.0
+    assert got[0].item() == pytest.approx(exact[0], rel=1e-6)
+    assert got[1].item() == pytest.approx(exact[1], rel=1e-7)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: ops.unscale_check_([torch.ones(3)], torch.zeros(2), torch.tensor(0.5)), "found_inf must be one float32 element"),
+        (lambda: ops.unscale_check_([torch.ones(3)], torch.zeros(1, dtype=torch.int32), torch.tensor(0.5)), "found_inf must be one float32"),
+        (lambda: ops.unscale_check_([torch.ones(3)], torch.zeros(1), torch.ones(2)), "inv_scale must be a floating tensor with one element"),
+        (lambda: ops.grad_stats([torch.ones(3)], torch.ones(2)), "inv_scale must be a floating tensor with one element"),
+        (lambda: ops.grad_stats([torch.ones(3)], torch.tensor(2)), "inv_scale must be a floating tensor with one element"),
+        (lambda: ops.adam_step_(*adam_inputs([3], found_inf=torch.zeros(2))), "found_inf must be a floating tensor with one element"),
+        (lambda: ops.adam_step_(*adam_inputs([3], scale=torch.ones(2))), "grad_scale must be a floating tensor with one element"),
+    ],
+)
+def test_scalar_arguments_are_checked_alike(cpu_backend, call, match):
+    with pytest.raises(RuntimeError, match=match):
+        call()
 
 
 def _adam_sample_inputs():
@@ -166,13 +227,14 @@ def _adam_sample_inputs():
     yield adam_inputs([5, 3], torch.bfloat16, amsgrad=True, master=True, scale=torch.tensor(2.0), found_inf=torch.tensor(0.0))
 
 
-@pytest.mark.parametrize("backend", ["cpp", "reference"])
+@pytest.mark.parametrize("backend", ["cpp", "triton", "reference"])
 def test_opcheck(backend):
     with _backend.use("cpu", backend):
         for args in _adam_sample_inputs():
             torch.library.opcheck(ops.adam_step_.default, tuple(args))
         torch.library.opcheck(ops.unscale_check_.default, (_grads_with([5, 3], torch.float16), torch.zeros(1), torch.tensor(0.5)))
         torch.library.opcheck(ops.grad_stats.default, (_grads_with([5, 0, 3], torch.bfloat16),))
+        torch.library.opcheck(ops.grad_stats.default, (_grads_with([5, 3], torch.float32), torch.tensor(0.25)))
 
 
 def test_schemas_live_in_the_registry():
@@ -237,5 +299,7 @@ def test_backend_env_parsing(monkeypatch):
 def test_info_command_lists_every_op():
     r = subprocess.run([sys.executable, "-m", "fastops", "info"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    for name in ("adam_step_", "unscale_check_", "grad_stats", "torch", "triton"):
-        assert name in r.stdout
+    assert f"torch {torch.__version__}" in r.stdout and "triton" in r.stdout
+    served = {tuple(line.split()) for line in r.stdout.splitlines() if "fastops::" in line}
+    for name in ("adam_step_", "unscale_check_", "grad_stats"):
+        assert ("cpu", f"fastops::{name}", _backend.active("cpu")) in served, r.stdout

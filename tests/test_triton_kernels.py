@@ -218,10 +218,13 @@ def test_unscale_check_matches_reference(case, poison, inv, on_host, found0):
 
 @pytest.mark.parametrize("case", range(len(GRAD_CASES)))
 @pytest.mark.parametrize("poison", POISONS, ids=str)
-def test_grad_stats_matches_reference_and_is_deterministic(case, poison):
+@pytest.mark.parametrize("inv,on_host", [(None, False), (2.0**-16, False), (3.0, True)])
+def test_grad_stats_matches_reference_and_is_deterministic(case, poison, inv, on_host):
     dtypes, sizes = GRAD_CASES[case]
     grads = _grads(dtypes, sizes, poison, 2)
-    mine, again, ref = kamp.grad_stats(grads), kamp.grad_stats(grads), reference.grad_stats(grads)
+    inv_t = None if inv is None else torch.tensor(inv, device="cpu" if on_host else DEVICE)
+    mine = kamp._grad_stats(grads, inv_t, scalars_on_host=on_host)
+    again, ref = kamp._grad_stats(grads, inv_t, scalars_on_host=on_host), reference.grad_stats(grads, inv_t)
     assert mine.shape == (3,) and mine.dtype == torch.float32 and mine.device == ref.device
     assert _same_bits(mine, again)
     assert _same_bits(mine[1:], ref[1:])  # max |g| and the flag are exact
@@ -241,6 +244,11 @@ def test_grad_stats_edges():
     big = [torch.full((4,), 3e38, device=DEVICE)]
     mine, ref = kamp.grad_stats(big), reference.grad_stats(big)
     assert _same_bits(mine, ref) and mine[0] == math.inf and mine[2] == 0
+    # The same grads behind a 2^70 loss scale: unscaled before squaring, the norm is finite.
+    inv = torch.tensor(2.0**-70, device=DEVICE)
+    mine, ref = kamp.grad_stats(big, inv), reference.grad_stats(big, inv)
+    assert mine[0].isfinite() and mine[2] == 0 and _same_bits(mine[1:], ref[1:])
+    torch.testing.assert_close(mine[0], ref[0], rtol=1e-6, atol=0)
     kamp.unscale_check_([], torch.zeros(1, device=DEVICE), torch.tensor(1.0))
 
 
@@ -311,7 +319,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
                           dict(G_DTYPE=dt, CHUNK=16384, BLOCK=1024, INV_PTR=ip, ALIGNED=aligned))
         assert (ld > 0) == aligned, (dt, aligned, ld)
         ld, _ = compile_(M._grad_stats_kernel, {"rows": "*i64", "chunks": "*i64", "partials": "*fp32",
-                         "first_partial": "i32"}, dict(G_DTYPE=dt, CHUNK=16384, BLOCK=1024, ALIGNED=aligned))
+                         "first_partial": "i32", "inv_ptr": "*fp32", "inv_value": "fp32"},
+                         dict(G_DTYPE=dt, CHUNK=16384, BLOCK=1024, INV_PTR=ip, ALIGNED=aligned))
         assert (ld > 0) == aligned, (dt, aligned, ld)
     compile_(M._grad_stats_reduce_kernel, {"partials": "*fp32", "out": "*fp32", "n": "i32"}, dict(BLOCK=1024))
     print("ok")

@@ -15,10 +15,6 @@
 namespace fastops {
 namespace cpu {
 
-namespace {
-
-}  // namespace
-
 void adam_step_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                 const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                 const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& state_steps,
@@ -30,6 +26,10 @@ void adam_step_(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   if (n == 0) return;
   TORCH_CHECK(params[0].is_cpu(), "fastops.adam_step_ (C++ CPU backend): params[0] is on ", params[0].device().str(),
               "; these kernels take CPU tensors");
+  const at::Device device = params[0].device();
+  check_scalar(lr, "adam_step_", "lr", device);
+  if (grad_scale.has_value()) check_scalar(*grad_scale, "adam_step_", "grad_scale", device);
+  if (found_inf.has_value()) check_scalar(*found_inf, "adam_step_", "found_inf", device);
   if (found_inf.has_value() && read_scalar(*found_inf) != 0) return;
   const double lr_v = read_scalar(lr);
 
@@ -46,8 +46,6 @@ void adam_step_(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   c.amsgrad = amsgrad;
   c.has_scale = grad_scale.has_value();
   if (c.has_scale) {
-    TORCH_CHECK(grad_scale->numel() == 1, "fastops.adam_step_: grad_scale must have one element, got shape ",
-                grad_scale->sizes());
     const float s = static_cast<float>(read_scalar(*grad_scale));
     c.grad_div = maximize ? -s : s;
   }

@@ -27,6 +27,8 @@ void unscale_check_(const std::vector<at::Tensor>& grads, const at::Tensor& foun
   check_grads(grads, "unscale_check_");
   if (grads.empty()) return;
   check_cpu(grads, "unscale_check_");
+  check_found_inf(found_inf, "unscale_check_", grads[0].device());
+  check_scalar(inv_scale, "unscale_check_", "inv_scale", grads[0].device());
   const float inv = static_cast<float>(read_scalar(inv_scale));
   // x * 1.0f == x for every non-nan x (and nan stays nan), so a unit scale only needs the check: one read
   // instead of a read and a write.
@@ -52,10 +54,15 @@ void unscale_check_(const std::vector<at::Tensor>& grads, const at::Tensor& foun
   if (any.load()) found_inf.fill_(1.0);
 }
 
-at::Tensor grad_stats(const std::vector<at::Tensor>& grads) {
+at::Tensor grad_stats(const std::vector<at::Tensor>& grads, const std::optional<at::Tensor>& inv_scale) {
   TORCH_CHECK(!grads.empty(), "fastops.grad_stats: needs at least one tensor");
   check_grads(grads, "grad_stats");
   check_cpu(grads, "grad_stats");
+  float inv = 1.0f;
+  if (inv_scale.has_value()) {
+    check_scalar(*inv_scale, "grad_stats", "inv_scale", grads[0].device());
+    inv = static_cast<float>(read_scalar(*inv_scale));
+  }
   const size_t n = grads.size();
   std::vector<const void*> ptrs(n);
   std::vector<Dtype> dts(n);
@@ -72,7 +79,7 @@ at::Tensor grad_stats(const std::vector<at::Tensor>& grads) {
       StatsPartial* acc = &parts[static_cast<size_t>(u)];
       layout.for_each(u * FlatLayout::kUnit, (u + 1) * FlatLayout::kUnit, [&](size_t i, int64_t b, int64_t e) {
         const size_t es = dts[i] == Dtype::kFloat ? 4 : 2;
-        k.stats(static_cast<const char*>(ptrs[i]) + b * es, dts[i], e - b, acc);
+        k.stats(static_cast<const char*>(ptrs[i]) + b * es, dts[i], e - b, inv, acc);
       });
     }
   });
@@ -84,8 +91,11 @@ at::Tensor grad_stats(const std::vector<at::Tensor>& grads) {
   }
   at::Tensor out = at::empty({3}, grads[0].options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
+  float max_abs;
+  std::memcpy(&max_abs, &mx, sizeof(float));
   o[0] = static_cast<float>(sum);
-  std::memcpy(&o[1], &mx, sizeof(float));
+  // fp32 rounding is monotonic, so max(|g| * inv) == max(|g|) * inv for inv > 0.
+  o[1] = max_abs * inv;
   o[2] = mx >= 0x7f800000u ? 1.0f : 0.0f;
   return out;
 }

@@ -141,4 +141,19 @@ void check_grads(const std::vector<at::Tensor>& grads, const char* op) {
   }
 }
 
+void check_scalar(const at::Tensor& t, const char* op, const char* what, const at::Device& device) {
+  TORCH_CHECK(t.numel() == 1 && at::isFloatingType(t.scalar_type()), "fastops.", op, ": ", what,
+              " must be a floating tensor with one element, got ", py_dtype(t.scalar_type()), " of shape ",
+              py_tuple(t.sizes()));
+  TORCH_CHECK(t.device() == device || t.is_cpu(), "fastops.", op, ": ", what, " is on ", t.device().str(),
+              " but the tensors are on ", device.str(), "; pass it on ", device.str(), " or the CPU");
+}
+
+void check_found_inf(const at::Tensor& found_inf, const char* op, const at::Device& device) {
+  TORCH_CHECK(found_inf.numel() == 1 && found_inf.scalar_type() == at::kFloat && found_inf.device() == device,
+              "fastops.", op, ": found_inf must be one float32 element on ", device.str(),
+              " (the kernel writes it), got ", py_dtype(found_inf.scalar_type()), " of shape ",
+              py_tuple(found_inf.sizes()), " on ", found_inf.device().str());
+}
+
 }  // namespace fastops

@@ -12,7 +12,6 @@
 namespace fastops {
 namespace cpu {
 
-// A scalar tensor's value: a direct load for CPU float32/float64, item() otherwise.
 inline Dtype to_dtype(at::ScalarType t) {
   switch (t) {
     case at::kBFloat16: return Dtype::kBFloat16;
@@ -21,6 +20,7 @@ inline Dtype to_dtype(at::ScalarType t) {
   }
 }
 
+// A scalar tensor's value: a direct load for CPU float32/float64, item() otherwise.
 inline double read_scalar(const at::Tensor& t) {
   if (t.is_cpu() && t.numel() == 1) {
     if (t.scalar_type() == at::kFloat) return *static_cast<const float*>(t.const_data_ptr());

@@ -42,8 +42,8 @@ struct AdamTensor {
   float bc2_sqrt;         // sqrt(1 - beta2^step), rounded to fp32 like the divisor of sqrt(v)
 };
 
-// Reduction partials of grad_stats over a range: sum of squares (fp32 within blocks, blocks added in
-// double) and the largest |x| as bits (IEEE order of non-negative floats is integer order, and every
+// Reduction partials of grad_stats over a range: sum of squares of the unscaled grads (fp32 within
+// blocks, blocks added in double) and the largest |x| of the grads as they are, as bits (IEEE order of non-negative floats is integer order, and every
 // inf/nan compares above 0x7f800000 - 1, so the same max gives max|g|, nan propagation and found_inf).
 struct StatsPartial {
   double sumsq;
@@ -57,8 +57,8 @@ struct KernelTable {
   // g[i] *= inv_scale for i in [0, n) when write; returns whether any element was inf or nan (read before
   // scaling, as torch's kernel checks them).
   bool (*unscale)(void* g, Dtype dt, int64_t n, float inv_scale, bool write);
-  // Adds [0, n) of g into *acc.
-  void (*stats)(const void* g, Dtype dt, int64_t n, StatsPartial* acc);
+  // Adds [0, n) of g * inv_scale into *acc (the max |x| bits are of g itself, for the inf/nan check).
+  void (*stats)(const void* g, Dtype dt, int64_t n, float inv_scale, StatsPartial* acc);
 };
 
 extern const KernelTable kTableDefault;

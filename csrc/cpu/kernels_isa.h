@@ -310,28 +310,29 @@ bool unscale(void* g, Dtype dt, int64_t n, float inv, bool write) {
 
 // ---- grad_stats ---------------------------------------------------------------------------------------
 
-// Sum of squares and max |x| bits of one block. kLanes fixed lanes (not the vector width) so that the
+// Sum of squares of x * inv and max |x| bits of one block. The grads are unscaled before squaring: a
+// scaled fp32 grad above 1.8e19 (reached by a GradScaler after enough growth) would square to inf. kLanes fixed lanes (not the vector width) so that the
 // summation order does not depend on the ISA apart from FMA contraction; each lane adds at most
 // kStatsBlock / kLanes squares in fp32.
 constexpr int kLanes = 32;
 constexpr int64_t kStatsBlock = 2048;
 
-void block_stats(const float* __restrict x, int64_t n, float* sum_out, uint32_t* max_out) {
+void block_stats(const float* __restrict x, int64_t n, float inv, float* sum_out, uint32_t* max_out) {
   float acc[kLanes] = {};
   uint32_t mx[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
 #pragma omp simd
     for (int j = 0; j < kLanes; ++j) {
-      const float xj = x[i + j];
-      acc[j] = fmadd(xj, xj, acc[j]);
+      const float xj = x[i + j], sj = xj * inv;
+      acc[j] = fmadd(sj, sj, acc[j]);
       const uint32_t a = as_bits(xj) & 0x7fffffffu;
       mx[j] = a > mx[j] ? a : mx[j];
     }
   }
   for (int j = 0; i + j < n; ++j) {
-    const float xj = x[i + j];
-    acc[j] = fmadd(xj, xj, acc[j]);
+    const float xj = x[i + j], sj = xj * inv;
+    acc[j] = fmadd(sj, sj, acc[j]);
     const uint32_t a = as_bits(xj) & 0x7fffffffu;
     mx[j] = a > mx[j] ? a : mx[j];
   }
@@ -345,7 +346,7 @@ void block_stats(const float* __restrict x, int64_t n, float* sum_out, uint32_t*
   *max_out = mx[0];
 }
 
-void stats(const void* g, Dtype dt, int64_t n, StatsPartial* out) {
+void stats(const void* g, Dtype dt, int64_t n, float inv, StatsPartial* out) {
   double sum = out->sumsq;
   uint32_t mx = out->max_abs_bits;
   alignas(64) float buf[kStatsBlock];
@@ -360,7 +361,7 @@ void stats(const void* g, Dtype dt, int64_t n, StatsPartial* out) {
     }
     float s;
     uint32_t b;
-    block_stats(x, cnt, &s, &b);
+    block_stats(x, cnt, inv, &s, &b);
     sum += double(s);
     mx = b > mx ? b : mx;
   }

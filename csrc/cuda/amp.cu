@@ -69,13 +69,15 @@ __device__ __forceinline__ Stats combine(const Stats& a, const Stats& b) {
   return Stats{__fadd_rn(a.sq, b.sq), fmaxf(a.amax, b.amax), a.has_nan | b.has_nan, a.bad | b.bad};
 }
 
-__device__ __forceinline__ void accumulate(Stats& s, float x) {
-  const float ax = fabsf(x);
-  const bool is_nan = x != x;
-  s.sq = fmaf(x, x, s.sq);
-  if (!is_nan) s.amax = fmaxf(s.amax, ax);
-  s.has_nan |= is_nan;
+// x as it is decides the inf/nan flag; the norm and max are of u = x * inv, unscaled before squaring (a
+// scaled fp32 grad above 1.8e19, which a GradScaler reaches after enough growth, would square to inf).
+__device__ __forceinline__ void accumulate(Stats& s, float x, float inv) {
   s.bad |= !detail::finite(x);
+  const float u = __fmul_rn(x, inv);
+  const bool is_nan = u != u;
+  s.sq = fmaf(u, u, s.sq);
+  if (!is_nan) s.amax = fmaxf(s.amax, fabsf(u));
+  s.has_nan |= is_nan;
 }
 
 // Block-wide fold with a fixed shape; the result is valid in thread 0. Ends with a barrier so the next
@@ -113,7 +115,8 @@ __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000)
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     grad_stats_partials_kernel(const int64_t* tensors, const int64_t* chunks, int64_t n_chunks, float* partials,
-                               int64_t first_partial) {
+                               int64_t first_partial, const float* inv_scale_ptr, float inv_scale_value) {
+  const float inv = inv_scale_ptr != nullptr ? *inv_scale_ptr : inv_scale_value;
   for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
     const int64_t t = chunks[2 * c];
     const int64_t start = chunks[2 * c + 1] * kChunkSize;
@@ -128,11 +131,11 @@ __global__ void __launch_bounds__(kThreads)
         float x[4];
         detail::load4<true>(g + i, x);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) accumulate(s, x[k]);
+        for (int k = 0; k < 4; ++k) accumulate(s, x[k], inv);
       }
       scalar_from = vec_end;
     }
-    for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) accumulate(s, detail::load_ro(g + i));
+    for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) accumulate(s, detail::load_ro(g + i), inv);
     s = block_reduce(s);
     if (threadIdx.x == 0) {
       float* out = partials + 3 * (first_partial + c);
@@ -195,21 +198,22 @@ cudaError_t unscale_check(ScalarKind kind, const int64_t* tensors, const int64_t
 }
 
 cudaError_t grad_stats_partials(ScalarKind kind, const int64_t* tensors, const int64_t* chunks, int64_t n_chunks,
-                                float* partials, int64_t first_partial, int max_blocks, cudaStream_t stream) {
+                                float* partials, int64_t first_partial, const float* inv_scale_ptr, float inv_scale,
+                                int max_blocks, cudaStream_t stream) {
   if (n_chunks == 0) return cudaSuccess;
   const int blocks = grid_for(n_chunks, max_blocks);
   switch (kind) {
     case ScalarKind::kFloat32:
       grad_stats_partials_kernel<float><<<blocks, kThreads, 0, stream>>>(tensors, chunks, n_chunks, partials,
-                                                                         first_partial);
+                                                                         first_partial, inv_scale_ptr, inv_scale);
       break;
     case ScalarKind::kBFloat16:
-      grad_stats_partials_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(tensors, chunks, n_chunks,
-                                                                                 partials, first_partial);
+      grad_stats_partials_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(
+          tensors, chunks, n_chunks, partials, first_partial, inv_scale_ptr, inv_scale);
       break;
     case ScalarKind::kFloat16:
       grad_stats_partials_kernel<__half><<<blocks, kThreads, 0, stream>>>(tensors, chunks, n_chunks, partials,
-                                                                          first_partial);
+                                                                          first_partial, inv_scale_ptr, inv_scale);
       break;
     default:
       return cudaErrorInvalidValue;

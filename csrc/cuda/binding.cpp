@@ -209,17 +209,15 @@ struct ScalarArg {
   const float* ptr() const { return on_device.defined() ? on_device.const_data_ptr<float>() : nullptr; }
 };
 
-ScalarArg scalar_arg(const at::Tensor& t, const at::Device& device, const char* what) {
-  TORCH_CHECK(t.numel() == 1, "fastops: ", what, " must have one element, got shape ", t.sizes());
+ScalarArg scalar_arg(const at::Tensor& t, const at::Device& device, const char* op, const char* what) {
+  check_scalar(t, op, what, device);
   ScalarArg s;
   if (t.device() == device) {
     // A device-side cast when needed (a queued op, no sync); the cast copy lives until the launch is queued,
     // and the caching allocator orders its reuse after that launch.
     s.on_device = t.scalar_type() == at::kFloat ? t : t.to(at::kFloat);
   } else {
-    TORCH_CHECK(t.is_cpu(), "fastops: ", what, " is on ", t.device().str(), " but the tensors are on ", device.str(),
-                "; pass it on ", device.str(), " or the CPU");
-    s.value = t.item<double>();
+    s.value = t.item<double>();  // a CPU tensor (check_scalar): no device sync
   }
   return s;
 }
@@ -256,12 +254,12 @@ void adam_step_(const TensorList& params, const TensorList& grads, const TensorL
   const c10::cuda::CUDAGuard guard(device);
   const LaunchContext ctx = launch_context();
 
-  const ScalarArg lr_arg = scalar_arg(lr, device, "adam_step_: lr");
+  const ScalarArg lr_arg = scalar_arg(lr, device, "adam_step_", "lr");
   ScalarArg scale_arg;
-  if (grad_scale.has_value()) scale_arg = scalar_arg(*grad_scale, device, "adam_step_: grad_scale");
+  if (grad_scale.has_value()) scale_arg = scalar_arg(*grad_scale, device, "adam_step_", "grad_scale");
   ScalarArg inf_arg;
   if (found_inf.has_value()) {
-    inf_arg = scalar_arg(*found_inf, device, "adam_step_: found_inf");
+    inf_arg = scalar_arg(*found_inf, device, "adam_step_", "found_inf");
     if (!inf_arg.on_device.defined() && inf_arg.value != 0) return;
   }
 
@@ -321,13 +319,10 @@ void unscale_check_(const TensorList& grads, const at::Tensor& found_inf, const 
   if (grads.empty()) return;
   const at::Device device = grads[0].device();
   check_on_cuda(grads[0], "unscale_check_");
-  TORCH_CHECK(found_inf.device() == device && found_inf.numel() == 1 && found_inf.scalar_type() == at::kFloat,
-              "fastops.unscale_check_: found_inf must be one float32 element on ", device.str(),
-              " (the kernel writes it), got ", found_inf.scalar_type(), " of shape ", found_inf.sizes(), " on ",
-              found_inf.device().str());
+  check_found_inf(found_inf, "unscale_check_", device);
   const c10::cuda::CUDAGuard guard(device);
   const LaunchContext ctx = launch_context();
-  const ScalarArg inv = scalar_arg(inv_scale, device, "unscale_check_: inv_scale");
+  const ScalarArg inv = scalar_arg(inv_scale, device, "unscale_check_", "inv_scale");
   float* found = found_inf.mutable_data_ptr<float>();
   for (const auto& group : group_by_dtype(grads)) {
     const std::vector<int64_t> flat = grad_rows(grads, group.second);
@@ -338,13 +333,18 @@ void unscale_check_(const TensorList& grads, const at::Tensor& found_inf, const 
   }
 }
 
-at::Tensor grad_stats(const TensorList& grads) {
+at::Tensor grad_stats(const TensorList& grads, const std::optional<at::Tensor>& inv_scale) {
   TORCH_CHECK(!grads.empty(), "fastops.grad_stats: needs at least one tensor");
   check_grads(grads, "grad_stats");
   const at::Device device = grads[0].device();
   check_on_cuda(grads[0], "grad_stats");
   const c10::cuda::CUDAGuard guard(device);
   const LaunchContext ctx = launch_context();
+  ScalarArg inv;
+  inv.value = 1.0;
+  if (inv_scale.has_value()) {
+    inv = scalar_arg(*inv_scale, device, "grad_stats", "inv_scale");
+  }
   std::vector<std::pair<ScalarKind, std::shared_ptr<DeviceTable>>> groups;
   int64_t total = 0;
   for (const auto& group : group_by_dtype(grads)) {
@@ -360,7 +360,8 @@ at::Tensor grad_stats(const TensorList& grads) {
   int64_t first = 0;
   for (const auto& g : groups) {
     C10_CUDA_CHECK(grad_stats_partials(g.first, g.second->rows(), g.second->chunks(), g.second->n_chunks,
-                                       partials.mutable_data_ptr<float>(), first, ctx.max_blocks, ctx.stream));
+                                       partials.mutable_data_ptr<float>(), first, inv.ptr(),
+                                       static_cast<float>(inv.value), ctx.max_blocks, ctx.stream));
     first += g.second->n_chunks;
   }
   C10_CUDA_CHECK(
@@ -379,7 +380,8 @@ void register_bindings(pybind11::module_ m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("unscale_check_", &unscale_check_, py::arg("grads"), py::arg("found_inf"), py::arg("inv_scale"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("grad_stats", &grad_stats, py::arg("grads"), py::call_guard<py::gil_scoped_release>());
+  m.def("grad_stats", &grad_stats, py::arg("grads"), py::arg("inv_scale") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace cuda

@@ -75,10 +75,12 @@ cudaError_t unscale_check(ScalarKind kind, const int64_t* tensors, const int64_t
                           float* found_inf, const float* inv_scale_ptr, float inv_scale, int max_blocks,
                           cudaStream_t stream);
 
-// First pass of grad_stats: partials[3 * (first_partial + c) + {0, 1, 2}] = {sum of squares, max |g| (nan
-// if the chunk holds a nan), 1.0f if the chunk holds an inf/nan else 0.0f} for every chunk c.
+// First pass of grad_stats: partials[3 * (first_partial + c) + {0, 1, 2}] = {sum of (g * inv_scale)^2,
+// max |g * inv_scale| (nan if the chunk holds a nan), 1.0f if the chunk holds an inf/nan else 0.0f} for
+// every chunk c. inv_scale is read through inv_scale_ptr when it is not null.
 cudaError_t grad_stats_partials(ScalarKind kind, const int64_t* tensors, const int64_t* chunks, int64_t n_chunks,
-                                float* partials, int64_t first_partial, int max_blocks, cudaStream_t stream);
+                                float* partials, int64_t first_partial, const float* inv_scale_ptr, float inv_scale,
+                                int max_blocks, cudaStream_t stream);
 
 // Second pass: one block folds n_partials partials in a fixed order into out[3].
 cudaError_t grad_stats_reduce(const float* partials, int64_t n_partials, float* out, cudaStream_t stream);
