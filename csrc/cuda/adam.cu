@@ -1,9 +1,9 @@
 // fastops.adam_step_ on CUDA: one launch per param dtype over a chunk table (kernels.cuh).
 //
 // The math per element is fastops/reference.py's in fp32, in the same order, with the roundings spelled
-// out (__f*_rn): the extension is built with --use_fast_math, which would otherwise turn / and sqrtf into
-// approximations and contract products into FMAs wherever it likes. fmaf stands exactly where torch's own
-// kernels fuse (add with alpha, lerp, addcmul), as in the Triton kernel (kernels/adam.py).
+// out (__f*_rn): nvcc contracts a * b + c into an FMA wherever it likes (-fmad=true is its default), and the
+// intrinsics keep it from doing so. fmaf stands exactly where torch's own kernels fuse (add with alpha,
+// lerp, addcmul), as in the Triton kernel (kernels/adam.py).
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -28,8 +28,7 @@ struct StepScalars {
 
 // 1 - beta**step as -expm1f(step * log(beta)), log(beta) from the host in fp64. fp32 1 - powf(beta, step)
 // is 2e-5 relative off at beta = 0.999 (fp32(0.999) alone is 1.3e-5 off in 1 - beta) and 2e-4 at 0.9999;
-// expm1f is within 1 ulp, so the product's rounding (about 1e-7) dominates. --use_fast_math leaves
-// expm1f alone (it swaps only expf/logf/powf/sinf and the like for intrinsics).
+// expm1f is within 1 ulp, so the product's rounding (about 1e-7) dominates.
 __device__ __forceinline__ float one_minus_pow(float log_beta, float step) {
   return -expm1f(__fmul_rn(step, log_beta));
 }
