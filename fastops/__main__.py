@@ -30,8 +30,10 @@ def info() -> None:
     print("devices: " + ", ".join(devices))
     print("\nbackends (FASTOPS_BACKEND to force one):")
     for device_type in _backend.DEVICE_TYPES:
+        # "ok" means the backend loads; with no GPU its CUDA kernels still cannot run here.
+        absent = device_type == "cuda" and not torch.cuda.is_available()
         for name, why in _backend.available(device_type).items():
-            print(f"  {device_type:5s} {name:10s} {why}")
+            print(f"  {device_type:5s} {name:10s} {why}{' (loads; no CUDA device here)' if absent and why == 'ok' else ''}")
     print("\nop -> backend serving it:")
     for device_type in _backend.DEVICE_TYPES:
         if device_type == "cuda" and not torch.cuda.is_available():
