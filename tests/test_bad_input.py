@@ -11,20 +11,76 @@ from tests.test_ops import adam_inputs
 ops = torch.ops.fastops
 
 
+BAD_HYPERPARAMETERS = [
+    # torch.optim.Adam's constructor checks, with its wording
+    ({"lr": -1e-3}, "Invalid learning rate: -0.001"),
+    ({"lr": float("nan")}, "Invalid learning rate: nan"),
+    ({"lr": torch.tensor(-1.0)}, "Invalid learning rate: -1.0"),
+    ({"lr": torch.tensor([1e-3, 1e-3])}, "Tensor lr must be 1-element"),
+    ({"betas": (1.0, 0.999)}, "Invalid beta parameter at index 0: 1.0"),
+    ({"betas": (0.9, -0.1)}, "Invalid beta parameter at index 1: -0.1"),
+    ({"betas": (0.9, 1.0)}, "Invalid beta parameter at index 1: 1.0"),
+    ({"eps": -1e-8}, "Invalid epsilon value: -1e-08"),
+    ({"weight_decay": -0.1}, "Invalid weight_decay value: -0.1"),
+]
+
+
 @pytest.mark.parametrize("cls", [fastops.optim.AdamW, fastops.optim.Adam])
-@pytest.mark.parametrize(
-    "kwargs,match",
-    [
-        ({"lr": -1e-3}, "Invalid learning rate"),
-        ({"betas": (1.0, 0.999)}, "Invalid beta parameter at index 0"),
-        ({"betas": (0.9, -0.1)}, "Invalid beta parameter at index 1"),
-        ({"eps": -1e-8}, "Invalid epsilon value"),
-        ({"weight_decay": -0.1}, "Invalid weight_decay value"),
-    ],
-)
+@pytest.mark.parametrize("kwargs,match", BAD_HYPERPARAMETERS)
 def test_hyperparameters_use_torch_wording(cls, kwargs, match):
     with pytest.raises(ValueError, match=match):
         cls([torch.nn.Parameter(torch.ones(2))], **kwargs)
+
+
+BAD_GROUP_HYPERPARAMETERS = BAD_HYPERPARAMETERS + [({"max_grad_norm": -1.0}, "Invalid max_grad_norm value: -1.0")]
+
+
+@pytest.mark.parametrize("kwargs,match", BAD_GROUP_HYPERPARAMETERS)
+def test_add_param_group_checks_hyperparameters(kwargs, match):
+    """torch checks only the constructor's values; a group added later with betas=(1.0, 0.999) would give nan."""
+    opt = fastops.optim.AdamW([torch.nn.Parameter(torch.ones(2))])
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))], **kwargs})
+    assert len(opt.param_groups) == 1, "a group that raised is not added"
+
+
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("lr", -1.0, r"Invalid learning rate: -1.0 \(param_groups\[1\]\)"),
+        ("betas", (1.0, 0.999), r"Invalid beta parameter at index 0: 1.0 \(param_groups\[1\]\)"),
+        ("betas", (torch.tensor(0.9), torch.tensor(1.5)),
+         r"Invalid beta parameter at index 1: 1.5 \(param_groups\[1\]\)"),
+        ("eps", -1.0, r"Invalid epsilon value: -1.0 \(param_groups\[1\]\)"),
+        ("weight_decay", -0.1, r"Invalid weight_decay value: -0.1 \(param_groups\[1\]\)"),
+        ("max_grad_norm", -1.0, r"Invalid max_grad_norm value: -1.0 \(param_groups\[1\]\)"),
+    ],
+)
+def test_hyperparameters_changed_between_steps(cpu_backend, key, value, match):
+    """A scheduler or user edit after construction is checked at the next step, before anything changes."""
+    params = [torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(5))]
+    opt = fastops.optim.AdamW([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = [p.detach().clone() for p in params], [opt.state[p]["exp_avg"].clone() for p in params]
+    opt.param_groups[1][key] = value
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    for p, b, m in zip(params, *before):
+        assert torch.equal(p, b) and torch.equal(opt.state[p]["exp_avg"], m)
+        assert opt.state[p]["step"].item() == 1
+
+
+def test_cpu_tensor_lr_set_negative_between_steps(cpu_backend):
+    lr = torch.tensor(1e-2)
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = fastops.optim.AdamW([p], lr=lr)
+    p.grad = torch.ones(4)
+    opt.step()
+    lr.fill_(-1.0)
+    with pytest.raises(ValueError, match=r"Invalid learning rate: -1.0 \(param_groups\[0\]\)"):
+        opt.step()
 
 
 def test_differentiable_is_not_implemented():
@@ -39,6 +95,58 @@ def test_sparse_grad(cpu_backend):
     with pytest.raises(RuntimeError, match="does not support sparse gradients"):
         opt.step()
     assert torch.equal(p, torch.ones(4, 3)) and len(opt.state[p]) == 0
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_sparse_csr_params():
+    """Checked by layout before anything asks for strides (a CSR tensor raises on is_contiguous() itself)."""
+    with pytest.raises(ValueError, match="does not support sparse params .param 0 has layout torch.sparse_csr."):
+        fastops.optim.AdamW([torch.nn.Parameter(torch.eye(3).to_sparse_csr())])
+
+
+def _stale_grad(param_shape, grad, param_dtype=torch.float32, transpose=False):
+    """A param reassigned through .data keeps its old grad, the one way torch lets a grad's shape or dtype
+    differ from its param's (assigning p.grad checks both)."""
+    p = torch.nn.Parameter(torch.zeros(grad.shape, dtype=grad.dtype))
+    p.grad = grad
+    new = torch.randn(param_shape[::-1] if transpose else param_shape).to(param_dtype)
+    p.data = new.t() if transpose else new
+    return p
+
+
+# Each row's grad and param have different strides (the grad would be copied into the param's layout, which
+# broadcasts or casts: checked by the optimizer first, naming the group) or the same strides (passed to the op
+# as they are: checked by the op, as in test_grad_with_wrong_dtype_or_shape_at_the_op).
+COPIED, AT_THE_OP = r"fastops.optim.AdamW: in param_groups\[1\], ", "fastops: "
+
+
+@pytest.mark.parametrize(
+    "param_shape,grad,dtype,transpose,where,match",
+    [
+        ((1, 4), torch.ones(4, 1), torch.float32, False, COPIED,
+         r"grads\[1\] has shape \(4, 1\) but params\[1\] has shape \(1, 4\)"),
+        ((4, 3), torch.ones(3), torch.float32, True, COPIED,
+         r"grads\[1\] has shape \(3,\) but params\[1\] has shape \(4, 3\)"),
+        ((2, 3), torch.ones(2, 3), torch.bfloat16, True, COPIED,
+         r"grads\[1\] has dtype torch.float32 but must be torch.bfloat16 \(as params\[1\]\)"),
+        ((1, 4), torch.ones(3, 4), torch.float32, False, AT_THE_OP,
+         r"grads\[1\] has shape \(3, 4\) but params\[1\] has shape \(1, 4\)"),
+        ((2, 3), torch.ones(2, 3), torch.float16, False, AT_THE_OP,
+         r"grads\[1\] has dtype torch.float32 but must be torch.float16 \(as params\[1\]\)"),
+        ((4, 1), torch.ones(1), torch.float32, False, AT_THE_OP,  # one element: never copied
+         r"grads\[1\] has shape \(1,\) but params\[1\] has shape \(4, 1\)"),
+    ],
+)  # fmt: skip
+def test_grad_with_wrong_shape_or_dtype_through_the_optimizer(cpu_backend, param_shape, grad, dtype, transpose, where,
+                                                             match):  # fmt: skip
+    good = torch.nn.Parameter(torch.randn(3))
+    good.grad = torch.ones(3)
+    bad = _stale_grad(param_shape, grad, dtype, transpose)
+    before = bad.detach().clone(), good.detach().clone()
+    opt = fastops.optim.AdamW([{"params": [torch.nn.Parameter(torch.ones(2))]}, {"params": [good, bad]}])
+    with pytest.raises(RuntimeError, match=where + match):
+        opt.step()
+    assert torch.equal(bad, before[0]) and torch.equal(good, before[1])
 
 
 def test_complex_params():

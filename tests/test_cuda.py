@@ -57,21 +57,33 @@ def test_optimizer_parity_with_torch_fused_on_cuda(cuda_backend):
 
 
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
-def test_amp_phase_never_syncs(backend):
+@pytest.mark.parametrize("scaler_cls", [torch.amp.GradScaler, famp.GradScaler], ids=["torch_scaler", "fastops_scaler"])
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale_then_step"])
+def test_amp_phase_never_syncs(backend, scaler_cls, unscale_first):
+    """unscale_ (optional), step and update with a folded clip: no host sync with either scaler. torch's scaler
+    hands the optimizer its scale and a found_inf tensor; fastops' hands the scale alone before unscale_ and
+    the flag alone after it."""
     with _backend.use("cuda", backend):
         torch.manual_seed(0)
         model = torch.nn.Linear(128, 128).cuda()
         opt = fastops.optim.AdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
-        scaler = famp.GradScaler("cuda")
+        scaler = scaler_cls("cuda")
+        before = [p.detach().clone() for p in model.parameters()]
         for _ in range(3):  # warm: tables built and cached, kernels compiled
             opt.zero_grad()
             scaler.scale(model(torch.randn(8, 128, device="cuda")).square().mean()).backward()
             torch.cuda.set_sync_debug_mode("error")
             try:
+                if unscale_first:
+                    scaler.unscale_(opt)
                 scaler.step(opt)
                 scaler.update()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+        skipped = opt.step_was_skipped
+        assert skipped.dtype == torch.bool and skipped.device == model.weight.device and not skipped.item()
+        assert opt.last_grad_norm is not None and opt.last_grad_norm.device == model.weight.device
+        assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
