@@ -1,6 +1,6 @@
 """fastops: one line to make PyTorch training faster.
 
-``fastops.patch()`` swaps torch's AdamW/Adam, GradScaler and clip_grad_norm_ for fused fastops kernels;
+``fastops.patch()`` swaps torch's AdamW/Adam, GradScalers and clip_grad_norm_ for fused fastops kernels;
 ``fastops.optim``, ``fastops.amp`` and ``fastops.data`` hold the pieces. Every kernel is a torch op (``torch.ops.fastops.*``) with C++ CPU,
 Triton, CUDA C++ and pure-PyTorch implementations, one chosen per device (``python -m fastops info``).
 """
@@ -25,8 +25,14 @@ _PATCHES = [
     ("torch.optim.adamw", "AdamW", optim.AdamW),
     ("torch.optim", "Adam", optim.Adam),
     ("torch.optim.adam", "Adam", optim.Adam),
+    ("torch", "GradScaler", amp.GradScaler),
     ("torch.amp", "GradScaler", amp.GradScaler),
     ("torch.amp.grad_scaler", "GradScaler", amp.GradScaler),
+    # Deprecated in torch but common in older scripts; fastops' versions keep their device-fixed signatures.
+    ("torch.cuda.amp", "GradScaler", amp.CudaGradScaler),
+    ("torch.cuda.amp.grad_scaler", "GradScaler", amp.CudaGradScaler),
+    ("torch.cpu.amp", "GradScaler", amp.CpuGradScaler),
+    ("torch.cpu.amp.grad_scaler", "GradScaler", amp.CpuGradScaler),
     ("torch.nn.utils", "clip_grad_norm_", amp.clip_grad_norm_),
     ("torch.nn.utils.clip_grad", "clip_grad_norm_", amp.clip_grad_norm_),
 ]
@@ -34,8 +40,9 @@ _originals: dict[tuple[str, str], object] = {}
 
 
 def patch() -> None:
-    """Swap torch.optim.AdamW/Adam, torch.amp.GradScaler and torch.nn.utils.clip_grad_norm_ for fastops'.
-    Idempotent; undo with ``unpatch()``."""
+    """Swap torch.optim.AdamW/Adam, torch.amp.GradScaler (also ``torch.GradScaler`` and the deprecated
+    ``torch.cuda.amp.GradScaler``/``torch.cpu.amp.GradScaler``) and torch.nn.utils.clip_grad_norm_ for
+    fastops'. Idempotent; undo with ``unpatch()``."""
     for mod_name, attr, replacement in _PATCHES:
         mod = importlib.import_module(mod_name)
         _originals.setdefault((mod_name, attr), getattr(mod, attr))

@@ -4,21 +4,55 @@ torch's AMP optimizer phase (``unscale_`` -> ``clip_grad_norm_`` -> ``step`` -> 
 writes every gradient several times. With a fastops optimizer the whole phase is two passes over the
 grads and no host sync: ``grad_stats`` reads them once for the norm and the inf/nan check, then the
 fused step divides by ``scale / clip_coef`` and skips itself on device when ``found_inf`` is set.
+
+Grads that fastops' kernels do not take (float64, complex, sparse, strided with gaps, tensor subclasses
+such as DTensor, devices other than cpu/cuda) go to torch's own implementation, so every script torch
+runs keeps running after ``fastops.patch()``.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections import defaultdict
 from typing import Iterable
 
 import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
+from typing_extensions import deprecated
 
-from . import _ops
+from . import _backend, _ops
+from ._checks import is_dense
 
-_TorchGradScaler = torch.amp.GradScaler
-_torch_clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+
+def _torch_original(module: str, name: str):
+    # Read once, when this module is first imported (before fastops.patch() can run). If it is re-imported
+    # while patched, the attribute is fastops' own: take the original that patch() recorded instead.
+    saved = getattr(sys.modules.get("fastops"), "_originals", {}).get((module, name))
+    return saved if saved is not None else getattr(importlib.import_module(module), name)
+
+
+_TorchGradScaler = _torch_original("torch.amp.grad_scaler", "GradScaler")
+_TorchCudaGradScaler = _torch_original("torch.cuda.amp.grad_scaler", "GradScaler")
+_TorchCpuGradScaler = _torch_original("torch.cpu.amp.grad_scaler", "GradScaler")
+_torch_clip_grad_norm_ = _torch_original("torch.nn.utils.clip_grad", "clip_grad_norm_")
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _kernels_take(t: Tensor) -> bool:
+    """Whether fastops' unscale_check_/grad_stats take this grad. Subclasses with their own dispatch
+    (DTensor) have no fastops rule, so only plain tensors qualify."""
+    # Called per grad on every unscale_: is_cpu/is_cuda cost 0.1 us against 0.5 us for t.device.type.
+    device_type = "cuda" if t.is_cuda else "cpu" if t.is_cpu else None
+    return (
+        type(t) in (Tensor, torch.nn.Parameter)
+        and t.layout == torch.strided
+        and t.dtype in _KERNEL_DTYPES
+        and device_type in _backend.DEVICE_TYPES
+        and is_dense(t)
+    )
 
 
 def _by_device(tensors: Iterable[Tensor]) -> dict[torch.device, list[Tensor]]:
@@ -60,12 +94,17 @@ def clip_grad_norm_(
 ) -> Tensor:
     """torch.nn.utils.clip_grad_norm_ with one read pass for the norm and one in-place scale.
 
-    Norm types 2 and inf use fastops' kernels; other norm types call torch's implementation. The
-    returned norm is fp32 whatever the grads' dtype (torch returns it in the grads' dtype)."""
+    Norm types 2 and inf over float32/bfloat16/float16 dense grads on cpu/cuda use fastops' kernels; any
+    other call (other norm types, float64, complex or sparse grads, grads strided with gaps, DTensor grads,
+    other devices) is torch's implementation, whole.
+
+    Differences from torch on the fastops path: the returned norm is float32 for bfloat16/float16 grads
+    (torch returns it in the grads' dtype; fastops accumulates in fp32 and does not round it back), and an
+    empty grad's inf-norm is 0 (torch raises)."""
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     norm_type = float(norm_type)
-    if norm_type not in (2.0, float("inf")) or any(g.is_sparse for g in grads):
+    if norm_type not in (2.0, float("inf")) or not all(_kernels_take(g) for g in grads):
         return _torch_clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
     if not grads:
         return torch.tensor(0.0)
@@ -91,7 +130,9 @@ def _is_fastops_optimizer(optimizer) -> bool:
 class GradScaler(_TorchGradScaler):
     """torch.amp.GradScaler, same constructor, methods and state_dict, on fastops' fused kernels.
 
-    - ``unscale_`` uses ``torch.ops.fastops.unscale_check_``: one pass per device for all dtypes.
+    - ``unscale_`` uses ``torch.ops.fastops.unscale_check_``: one pass per device for all dtypes. Grads the
+      kernel does not take (float64, complex, sparse, strided with gaps, DTensor, other devices) go to
+      ``torch._amp_foreach_non_finite_check_and_unscale_`` per (device, dtype), sharing the same found_inf.
     - ``step`` with a fastops optimizer never syncs with the host: it hands the scale to the optimizer,
       which checks for inf/nan in the same read that gives the grad norm and skips itself on device.
       With any other optimizer it behaves exactly like torch's (which reads ``found_inf`` on the host).
@@ -99,22 +140,40 @@ class GradScaler(_TorchGradScaler):
     """
 
     def _unscale_grads_(self, optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool):
-        grads = []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if (not allow_fp16) and param.grad.dtype == torch.float16:
-                    raise ValueError("Attempting to unscale FP16 gradients.")
-                if param.grad.is_sparse:
-                    return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-                grads.append(param.grad)
-        per_device_found_inf = {}
+        fused: dict[torch.device, list[Tensor]] = defaultdict(list)
+        other: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
         with torch.no_grad():
-            for device, ts in _by_device(grads).items():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    if (not allow_fp16) and param.grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    grad = param.grad
+                    if grad.is_sparse:
+                        # torch's rule: duplicate indices of scaled fp16 values can overflow when summed, so
+                        # fp16 grads are coalesced first and the coalesced values checked.
+                        if grad.dtype is torch.float16:
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                        other[(grad.device, grad.dtype)].append(grad)
+                    elif _kernels_take(grad):
+                        fused[grad.device].append(grad)
+                    else:
+                        other[(grad.device, grad.dtype)].append(grad)
+            per_device_found_inf: dict[torch.device, Tensor] = {}
+            per_device_inv_scale: dict[torch.device, Tensor] = {}
+
+            def on(device):
                 if device not in per_device_found_inf:
                     per_device_found_inf[device] = found_inf.to(device, non_blocking=True)
-                _ops.unscale_check_(ts, per_device_found_inf[device], inv_scale.to(device, non_blocking=True))
+                    per_device_inv_scale[device] = inv_scale.to(device, non_blocking=True)
+                return per_device_found_inf[device], per_device_inv_scale[device]
+
+            for device, grads in fused.items():
+                _ops.unscale_check_(grads, *on(device))
+            for (device, _), grads in other.items():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, *on(device))
         return per_device_found_inf
 
     def step(self, optimizer, *args, **kwargs):
@@ -130,13 +189,25 @@ class GradScaler(_TorchGradScaler):
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        # torch's scaler records no inf check for an optimizer without grads and raises (here, or in update()
+        # for fused optimizers); recording a clean step instead would grow the scale where torch's does not.
+        if state["stage"] is OptState.READY:
+            if not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+                raise AssertionError("No inf checks were recorded for this optimizer.")
+        elif len(state["found_inf_per_device"]) == 0:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        # A grad_scale the user set on the optimizer is torch's too: multiplied into the scale before unscale_,
+        # passed alone after it, and deleted with the scaler's attributes after the step.
+        user_scale = getattr(optimizer, "grad_scale", None)
         if state["stage"] is OptState.READY:
             # The optimizer divides by the scale inside its step and finds inf/nan in its grad_stats read.
-            optimizer.grad_scale, optimizer.found_inf = self._get_scale_async(), None
+            scale = self._get_scale_async()
+            optimizer.grad_scale = scale if user_scale is None else scale * user_scale
+            optimizer.found_inf = None
         else:
             # unscale_ already ran (and found inf/nan): the grads are unscaled, the flag is known.
             found = [t.to(self._scale.device, non_blocking=True) for t in state["found_inf_per_device"].values()]
-            optimizer.grad_scale, optimizer.found_inf = None, sum(found)
+            optimizer.grad_scale, optimizer.found_inf = user_scale, sum(found)
         try:
             retval = optimizer.step(*args, **kwargs)
         finally:
@@ -147,23 +218,124 @@ class GradScaler(_TorchGradScaler):
         return retval
 
 
-class SkipAwareScheduler:
-    """Wraps an LR scheduler so that ``step()`` does nothing after an optimizer step that was skipped
-    (inf/nan grads under a GradScaler), as if that iteration never happened.
+# torch.cuda.amp.GradScaler / torch.cpu.amp.GradScaler: deprecated in torch, still in many scripts, so
+# fastops.patch() replaces them too. Each is fastops' GradScaler with the old device-fixed signature, the
+# same FutureWarning at the caller's line, and torch's deprecated class as a base, so isinstance checks
+# against either class hold.
 
-    It reads ``optimizer.step_was_skipped``, which fastops optimizers and fastops.amp.GradScaler set as a
-    device tensor: one host read per scheduler step, nowhere else. Everything else is the wrapped
-    scheduler's (``get_last_lr``, ``state_dict``, ...)."""
+
+class CudaGradScaler(GradScaler, _TorchCudaGradScaler):
+    """What ``fastops.patch()`` puts at ``torch.cuda.amp.GradScaler``: fastops.amp.GradScaler("cuda", ...)."""
+
+    @deprecated(
+        "`torch.cuda.amp.GradScaler(args...)` is deprecated. "
+        "Please use `torch.amp.GradScaler('cuda', args...)` instead.",
+        category=FutureWarning,
+    )
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        # Past torch's deprecated __init__ (it would warn a second time, at this line) to torch.amp.GradScaler's.
+        super(_TorchCudaGradScaler, self).__init__(
+            "cuda", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+            growth_interval=growth_interval, enabled=enabled,
+        )  # fmt: skip
+
+
+class CpuGradScaler(GradScaler, _TorchCpuGradScaler):
+    """What ``fastops.patch()`` puts at ``torch.cpu.amp.GradScaler``: fastops.amp.GradScaler("cpu", ...)."""
+
+    @deprecated(
+        "`torch.cpu.amp.GradScaler(args...)` is deprecated. "
+        "Please use `torch.amp.GradScaler('cpu', args...)` instead.",
+        category=FutureWarning,
+    )
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        super(_TorchCpuGradScaler, self).__init__(
+            "cpu", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+            growth_interval=growth_interval, enabled=enabled,
+        )  # fmt: skip
+
+
+class SkipAwareScheduler:
+    """Wraps an LR scheduler so that ``step()`` advances it only after a real optimizer step: not after a
+    step that a GradScaler skipped for inf/nan grads, as if that iteration never happened. Call ``step()``
+    once per optimizer step, as with the scheduler itself; to move the schedule without an optimizer step
+    (fast-forwarding), step ``.scheduler``.
+
+    Works with either GradScaler and any optimizer. An optimizer step post-hook records the latest step's
+    skip flag: ``step_was_skipped`` for fastops optimizers, otherwise the ``found_inf`` a GradScaler sets
+    on fused torch optimizers during their step (absent without a scaler: a real step). torch's
+    GradScaler skips other optimizers by not calling ``step()``, and no ``step()`` since the previous
+    call counts as skipped.
+
+    Host sync: ``step()`` reads that flag on the host, once per call when it is a device tensor (always
+    for fastops optimizers, under a scaler for torch's fused ones); on CUDA that is one sync per iteration,
+    after the optimizer phase. The optimizer phase itself stays free of syncs.
+
+    ``state_dict``/``load_state_dict`` are the wrapped scheduler's, so a checkpoint moves between a plain
+    torch scheduler and this wrapper; other public attributes (``get_last_lr``, ``last_epoch``, ...) are
+    read from it. It is not an LRScheduler instance: LRScheduler.__init__ stores ``initial_lr`` in the
+    optimizer, wraps its ``step`` and takes a first step, all of which the wrapped scheduler already did."""
 
     def __init__(self, scheduler, optimizer=None) -> None:
+        optimizer = optimizer if optimizer is not None else scheduler.optimizer
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
         self.scheduler = scheduler
-        self.optimizer = optimizer if optimizer is not None else scheduler.optimizer
+        self.optimizer = optimizer
+        self._last_skip: Tensor | bool | None = None  # None: no optimizer step since the last step()
+        self._watch()
+
+    def _watch(self) -> None:
+        self._hook = self.optimizer.register_step_post_hook(self._record_step)
+
+    def _record_step(self, optimizer, args, kwargs) -> None:
+        # Runs inside optimizer.step(), before a GradScaler deletes the found_inf it set for that step.
+        if _is_fastops_optimizer(optimizer):
+            self._last_skip = optimizer.step_was_skipped
+        else:
+            found = getattr(optimizer, "found_inf", None)
+            self._last_skip = False if found is None else found
 
     def step(self, *args, **kwargs):
-        skipped = getattr(self.optimizer, "step_was_skipped", None)
-        if skipped is not None and bool(skipped):
+        skip, self._last_skip = self._last_skip, None
+        if skip is None or bool(skip):
             return None
         return self.scheduler.step(*args, **kwargs)
 
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getstate__(self) -> dict:
+        # The hook handle points into the optimizer's hook table, which torch does not pickle with the optimizer.
+        state = self.__dict__.copy()
+        del state["_hook"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._watch()
+
     def __getattr__(self, name: str):
+        # Reached only for names the wrapper lacks. While pickle or copy rebuilds it, __dict__ is empty, so
+        # forwarding "scheduler" would recurse without end, and protocol lookups (__setstate__, __deepcopy__)
+        # must fail as on a plain object rather than find the wrapped scheduler's.
+        if name == "scheduler" or name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(self.scheduler, name)
