@@ -57,8 +57,8 @@ def main():
             print(f"epoch {epoch}: loss {loss.item():.4f} ({acc.world_size} process(es), {acc.strategy}, {acc.precision})")
 
     path = os.path.join(tempfile.gettempdir(), "fastops_one_line.pt")
-    acc.save(path)  # every rank may call it; rank 0 writes
-    acc.load(path)
+    acc.save(path)  # every rank calls it (it gathers each rank's RNG state); rank 0 writes
+    acc.load(path)  # each rank reads the file and gets its own RNG state back
     if acc.is_main:
         print(f"saved and reloaded {path} at step {acc.step}")
 

@@ -13,25 +13,46 @@ How the loop stays unchanged:
   checks stay the same; under DDP the DDP wrapper's) runs under autocast and returns floating outputs in fp32.
   When the gradient must be scaled (fp16 loss scaling, ``accumulate=k``) each output gets a backward hook that
   multiplies the gradient coming into it by ``scale / k``: ``loss.backward()`` then produces exactly what
-  ``scaler.scale(loss / k).backward()`` would, for any loss computed from the outputs.
-- the optimizer is fastops' fused AdamW/Adam when it was torch's, with ``step``/``zero_grad`` replaced on the
-  instance: they do nothing on the first k-1 micro-steps, and the real ``step`` runs GradScaler step + update
-  (fp16) and clipping (folded into the fused step, or fastops.clip_grad_norm_ after unscaling otherwise).
+  ``scaler.scale(loss / k).backward()`` would, for any loss computed from the outputs. This holds for
+  ``model(x)`` and ``model.forward(x)`` alike, and for outputs that are tensors, possibly nested in lists,
+  tuples, dicts (HF ``ModelOutput``), namedtuples and dataclasses.
+- the optimizer keeps its identity: torch's AdamW/Adam becomes fastops' fused one in place (same object,
+  param_groups, state and step hooks, so every LR scheduler built on it keeps driving it), with ``step``/
+  ``zero_grad`` replaced on the instance: they do nothing on the first k-1 micro-steps, and the real ``step``
+  runs GradScaler step + update (fp16) and clipping (folded into the fused step, or fastops.clip_grad_norm_
+  after unscaling otherwise). A scheduler that is not prepared still advances on every ``step()`` call;
+  ``Accelerator.prepare(scheduler)`` makes it advance once per real step (not on micro-steps, not after a
+  skipped fp16 step).
 - the loader is sharded across ranks, wrapped in fastops.data.Prefetcher and gets ``set_epoch`` each pass.
 
-Limits: a loss term that does not flow through the model's outputs (say an L2 penalty on the parameters
-added to the loss) is neither loss-scaled nor divided by k; ``Accelerator.backward(loss)`` is
-``loss.backward()`` and does not change that.
+Limits:
+- Loss scaling and the 1/k of accumulation reach only gradient that flows through the model's outputs. A loss
+  term whose gradient reaches the parameters another way, e.g. ``ce(model(x), y) + 1e-4 * sum(p.square().sum()
+  for p in model.parameters())``, gets neither: under fp16 its gradient is divided by the loss scale (65536 at
+  the start) without having been multiplied by it, and under accumulate=k it counts k times per step instead
+  of once. fastops cannot tell such a term apart from gradient that did pass through the outputs (both end up
+  summed in ``p.grad``), so it cannot raise for it. ``Accelerator.backward(loss)`` (``optimizer.accelerator.
+  backward(loss)``) is the exact path: it computes ``(loss * scale / k).backward()`` with the output hooks off.
+  What fastops does detect is a backward in which no gradient came through the outputs at all (an output
+  container it does not look into, say ``SimpleNamespace(logits=...)``, or a loss not computed from the
+  outputs): under fp16 or accumulate > 1 the optimizer step then raises instead of training unscaled; a forward
+  whose outputs hold no floating tensor fastops recognises also warns once.
+- A ``torch.utils.data.DataLoader`` with ``num_workers=0`` is read on the training loop's thread, not in the
+  Prefetcher's background thread: its dataset, collate_fn and sampler run in this process, and when they draw
+  random numbers from the process-global generators (torch's default generator, ``random``, ``numpy.random``;
+  a random augmentation, a RandomSampler without a generator) a background thread would interleave those draws
+  with the step's (dropout), differently in every run. Any other iterable is read in the background; one that
+  draws from the global generators makes runs irreproducible, so give it its own ``torch.Generator``.
+- ``save``/``load`` record the loader's epoch, not the position inside it: resume at a pass boundary.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import os
 import random
-import tempfile
+import secrets
 import types
 import warnings
 from typing import Any, Iterable
@@ -48,7 +69,10 @@ __all__ = ["accelerate", "Accelerator"]
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 STRATEGIES = ("auto", "ddp", "fsdp", "none")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-_CKPT_VERSION = 1
+# torch's classes as fastops' subclass them (fastops.patch() rebinds the torch.optim names to fastops').
+_FUSABLE = {cls.__bases__[-1]: cls for cls in (optim.AdamW, optim.Adam)}
+_CKPT_VERSION = 2  # 2: one RNG state per rank (1 held rank 0's only)
+_CKPT_READABLE = (1, 2)
 
 
 def accelerate(
@@ -96,10 +120,45 @@ def _native_bf16(device: torch.device) -> bool:
     return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def _resolve_device(device: torch.device | str | None, local_rank: int | None) -> torch.device:
+    """The training device. ``local_rank`` is LOCAL_RANK when this is one of several launched processes (None
+    otherwise): a CUDA device given without an index, or no device at all, then means cuda:LOCAL_RANK, so
+    that ranks do not all share the current device (cuda:0 in every fresh process)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"fastops.accelerate: unknown device {device!r}") from e
+    if dev.type != "cuda":
+        return dev
+    if not torch.cuda.is_available():
+        raise ValueError(f"fastops.accelerate: device {device!r} requested but CUDA is not available")
+    count = torch.cuda.device_count()
+    if dev.index is None:
+        if local_rank is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        if local_rank >= count:
+            raise ValueError(
+                f"fastops.accelerate: LOCAL_RANK={local_rank} but this process sees {count} CUDA device(s); pass "
+                "device='cuda:N' for the device this rank should use"
+            )
+        return torch.device("cuda", local_rank)
+    if dev.index >= count:
+        raise ValueError(f"fastops.accelerate: device {device!r} does not exist ({count} CUDA device(s) visible)")
+    return dev
+
+
 def _map_tensors(fn, obj):
     from .data import _map_tensors as impl  # the Prefetcher's: same containers, dataclasses, namedtuples
 
     return impl(fn, obj)
+
+
+def _forward_attribute(obj: Any, inner: str, name: str) -> Any:
+    from .data import _forward_attribute as impl  # the Prefetcher's
+
+    return impl(obj, inner, name)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -116,12 +175,18 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 
 class _GradFactor:
-    """Backward hook: the gradient arriving at a model output times ``factor`` (scale / k)."""
+    """Backward hook: the gradient arriving at a model output times ``factor`` (scale / k). It records that it
+    ran, for the check in the optimizer step, and stands aside inside ``Accelerator.backward``, which has
+    scaled the whole loss already."""
 
-    def __init__(self, factor: torch.Tensor) -> None:
+    def __init__(self, factor: torch.Tensor, acc: "Accelerator") -> None:
         self.factor = factor
+        self.acc = acc
 
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor | None:
+        self.acc._grads_scaled = True
+        if self.acc._exact_backward:
+            return None
         return grad * self.factor.to(grad.device, grad.dtype)
 
 
@@ -141,7 +206,8 @@ class _ShardedScaler(amp.GradScaler):
 
 class _Loader:
     """What ``prepare(loader)`` returns: the Prefetcher over the (sharded) loader, with ``set_epoch(epoch)``
-    called at the start of each pass and ``epoch`` advanced when a pass completes (as HF Accelerate does)."""
+    called at the start of each pass and ``epoch`` advanced when a pass completes (as HF Accelerate does).
+    Other attributes (``dataset``, ``batch_size``, ``sampler``, ...) are the loader's."""
 
     def __init__(self, prefetcher) -> None:
         self.prefetcher = prefetcher
@@ -157,6 +223,9 @@ class _Loader:
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+
+    def __getattr__(self, name: str) -> Any:
+        return _forward_attribute(self, "prefetcher", name)
 
 
 class _RoundRobin:
@@ -177,6 +246,9 @@ class _RoundRobin:
     def set_epoch(self, epoch: int) -> None:
         if callable(getattr(self.iterable, "set_epoch", None)):
             self.iterable.set_epoch(epoch)
+
+    def __getattr__(self, name: str) -> Any:
+        return _forward_attribute(self, "iterable", name)
 
 
 class _Scheduler(amp.SkipAwareScheduler):
@@ -202,12 +274,23 @@ class Accelerator:
         strategy: "auto" (ddp when WORLD_SIZE > 1), "ddp", "fsdp" (FSDP2 fully_shard per block, then the root)
             or "none".
         grad_clip: max global grad norm, or None.
-        accumulate: k micro-batches per optimizer step.
+        accumulate: k micro-batches per optimizer step. Micro-steps are counted across loader passes: when a
+            pass has a number of batches that is not a multiple of k, its last micro-batches' gradients are
+            carried into the first step of the next pass, and those left over when training ends are never
+            applied. (HF Accelerate by default steps at the end of every pass instead:
+            ``GradientAccumulationPlugin(sync_with_dataloader=True)``.) Make the pass length a multiple of k,
+            e.g. with ``drop_last`` and a batch count that divides, to keep steps aligned with epochs.
         compile: torch.compile the model's forward.
-        device: default: cuda:LOCAL_RANK when CUDA is available, else the CPU.
+        device: default: cuda:LOCAL_RANK under a launcher that sets LOCAL_RANK (torchrun), the current CUDA
+            device otherwise, and the CPU without CUDA. "cuda" without an index means the same device.
 
     ``prepare(*objects)`` takes a model, an optimizer, LR schedulers and loaders (model before optimizer) and
     returns them prepared, in the same order. ``save(path)``/``load(path)`` checkpoint everything.
+
+    ``step`` counts the optimizer steps taken at accumulation boundaries, including fp16 steps that were
+    skipped for inf/nan grads: telling those apart takes a host read of the device-side skip flag, which the
+    step never does (``optimizer.step_was_skipped`` holds it). ``micro_step`` counts every
+    ``optimizer.step()`` call. Prepared LR schedulers do not advance on skipped steps.
     """
 
     def __init__(
@@ -233,25 +316,19 @@ class Accelerator:
 
         env = os.environ
         launched = "WORLD_SIZE" in env and "RANK" in env
+        several = dist.is_available() and (launched or dist.is_initialized())
+        local_rank = int(env["LOCAL_RANK"]) if several and "LOCAL_RANK" in env else None
+        self.device = _resolve_device(device, local_rank)
         if launched and not dist.is_initialized():
-            cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
-            if cuda and device is None:
-                torch.cuda.set_device(int(env.get("LOCAL_RANK", 0)))  # before NCCL creates its communicator
-            dist.init_process_group("nccl" if cuda else "gloo")
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # before NCCL creates its communicator
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
-        self.local_rank = int(env.get("LOCAL_RANK", 0)) if self.distributed else 0
+        self.local_rank = local_rank or 0
         self.is_main = self.rank == 0
-
-        if device is None:
-            device = f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
         if self.device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"fastops.accelerate: device {device!r} requested but CUDA is not available")
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
 
         if strategy == "auto":
@@ -282,12 +359,15 @@ class Accelerator:
         self.optimizer: torch.optim.Optimizer | None = None
         self.schedulers: list[_Scheduler] = []
         self.loaders: list[_Loader] = []
-        self.step = 0  # real optimizer steps taken
+        self.step = 0  # optimizer steps at accumulation boundaries, fp16-skipped ones included
         self.micro_step = 0  # optimizer.step() calls, micro-steps included
         self._last_step_real = True
         self._raw = False  # inside our own step: optimizer.step/zero_grad run as the class's
         self._names: dict[int, str] = {}
-        self._old_optimizers: dict[int, torch.optim.Optimizer] = {}
+        self._via_call = False  # set by the forward pre-hook: forward runs inside model(...), hooks and all
+        self._grads_scaled = False  # gradient came through scaled outputs (or backward()) since the last step
+        self._exact_backward = False  # inside backward(): the output hooks leave the gradient alone
+        self._warned_outputs = False
 
     # ---- prepare ---------------------------------------------------------------------------------------
 
@@ -343,6 +423,7 @@ class Accelerator:
         acc = self
 
         def forward(mod, *args, **kwargs):
+            via_call, acc._via_call = acc._via_call, False
             sync = acc.micro_step % acc.accumulate == acc.accumulate - 1
             ctx = contextlib.nullcontext()
             if acc.accumulate > 1 and acc.strategy == "ddp" and not sync:
@@ -354,23 +435,35 @@ class Accelerator:
             if acc.amp_dtype is not None:
                 amp_ctx = torch.autocast(acc.device.type, dtype=acc.amp_dtype)
             with ctx, amp_ctx:
-                return inner_forward(*args, **kwargs)
+                out = inner_forward(*args, **kwargs)
+            # model.forward(x) runs no module hooks: its outputs are cast and hooked here instead.
+            return out if via_call else acc._outputs(out)
 
         module.forward = types.MethodType(forward, module)
+        module.register_forward_pre_hook(lambda _mod, _args: setattr(acc, "_via_call", True))
         # A forward hook registered last runs after DDP's and FSDP2's own output handling (FSDP2 warns when
         # its module returns a view, which the grad hooks below may create).
         module.register_forward_hook(lambda _mod, _args, out: acc._outputs(out))
 
+    def _factor(self) -> torch.Tensor | None:
+        """``scale / k``, what the gradient of the loss is multiplied by; None when that is 1."""
+        if self.scaler is None and self.accumulate == 1:
+            return None
+        # The scaler's own tensor when k == 1: GradScaler.update changes it in place, so a backward run after
+        # an update (in the next step) uses the scale that step unscales by.
+        factor = self.scaler._scale if self.scaler is not None else torch.ones((), device=self.device)
+        return factor / self.accumulate if self.accumulate > 1 else factor
+
     def _outputs(self, out):
         low = self.amp_dtype is not None
-        factor = None
-        if self.scaler is not None or self.accumulate > 1:
-            factor = self.scaler._scale.float() if self.scaler is not None else torch.ones((), device=self.device)
-            factor = factor / self.accumulate if self.accumulate > 1 else factor
+        factor = self._factor()
+        floating = False
 
         def fix(t: torch.Tensor) -> torch.Tensor:
+            nonlocal floating
             if not t.is_floating_point():
                 return t
+            floating = True
             if low and t.dtype in (torch.bfloat16, torch.float16):
                 t = t.float()
             elif factor is not None and t.requires_grad:
@@ -378,79 +471,106 @@ class Accelerator:
                 # through another, already hooked, output.
                 t = t.view_as(t)
             if factor is not None and t.requires_grad:
-                t.register_hook(_GradFactor(factor))
+                t.register_hook(_GradFactor(factor, self))
             return t
 
-        return _map_tensors(fix, out)
+        out = _map_tensors(fix, out)
+        if not floating and (low or factor is not None) and not self._warned_outputs:
+            self._warned_outputs = True
+            scaled = ""
+            if factor is not None:
+                scaled = (
+                    ", and gradient through them is not scaled (fp16 loss scale, 1/k of accumulate=k): call "
+                    "Accelerator.backward(loss) (optimizer.accelerator.backward(loss)) instead of loss.backward(), "
+                    "or optimizer.step() will raise"
+                )
+            warnings.warn(
+                f"fastops.accelerate: the model returned a {type(out).__name__} with no floating-point tensor that "
+                "fastops can see (it looks inside tensors, lists, tuples, dicts, namedtuples and dataclasses), so "
+                f"its outputs stay as autocast ({self.precision}) made them{scaled}",
+                stacklevel=3,
+            )
+        return out
 
     def _prepare_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if self.optimizer is not None:
             raise ValueError("fastops.Accelerator: one optimizer per Accelerator; this one already has an optimizer")
         if self.model is None:
             raise ValueError("fastops.Accelerator.prepare: prepare the model before (or together with) the optimizer")
-        new = self._convert(opt)
-        if isinstance(new, optim._FusedAdamMixin):
+        if self.strategy == "fsdp":
+            self._repoint(opt)
+        self._fuse(opt)
+        if isinstance(opt, optim._FusedAdamMixin):
             if self.grad_clip is not None:
-                new.defaults["max_grad_norm"] = self.grad_clip
-                for group in new.param_groups:
+                opt.defaults["max_grad_norm"] = self.grad_clip
+                for group in opt.param_groups:
                     group["max_grad_norm"] = self.grad_clip
             if self.strategy == "fsdp":
-                new.reduce_grad_stats = self._all_reduce_stats
-        new.step = types.MethodType(_step, new)
-        new.zero_grad = types.MethodType(_zero_grad, new)
-        new.accelerator = self
-        self.optimizer = new
-        self._old_optimizers[id(opt)] = new
-        return new
+                opt.reduce_grad_stats = self._all_reduce_stats
+        opt.step = types.MethodType(_step, opt)
+        opt.zero_grad = types.MethodType(_zero_grad, opt)
+        opt.accelerator = self
+        self.optimizer = opt
+        return opt
 
-    def _convert(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """torch's AdamW/Adam become fastops' with the same groups and state; under FSDP2 (new DTensor
-        params) every optimizer is rebuilt on the new params."""
-        cls = {torch.optim.AdamW: optim.AdamW, torch.optim.Adam: optim.Adam}.get(type(opt))
-        if cls is None and self.strategy != "fsdp":
-            return opt
-        cls = cls or type(opt)
+    def _repoint(self, opt: torch.optim.Optimizer) -> None:
+        """FSDP2 replaced the model's parameters with sharded ones: the optimizer's param lists are pointed at
+        them in place, so the optimizer (and every scheduler built on it) stays the same object. An optimizer
+        that keeps references to its parameters outside ``param_groups`` is not supported."""
+        if opt.state:
+            raise ValueError(
+                "fastops.accelerate: the optimizer already has state, which cannot be carried over to FSDP2's "
+                "sharded parameters; prepare it before training, and resume with Accelerator.load"
+            )
         params = dict(self._inner.named_parameters())
-        groups = []
+        current = {id(p) for p in params.values()}
         for group in opt.param_groups:
-            mapped = []
-            for p in group["params"]:
+            plist = group["params"]
+            for i, p in enumerate(plist):
+                if id(p) in current:
+                    continue
                 name = self._names.get(id(p))
-                if name in params:
-                    mapped.append(params[name])
-                elif self.strategy != "fsdp":
-                    mapped.append(p)
-                else:
+                if name not in params:
                     raise ValueError(
                         "fastops.accelerate: the optimizer holds a parameter that is not in the model, which "
                         "FSDP cannot shard; create the optimizer from model.parameters()"
                     )
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": mapped})
-        accepted = inspect.signature(cls.__init__).parameters
-        defaults = {k: v for k, v in opt.defaults.items() if k in accepted and k not in ("params", "differentiable")}
+                plist[i] = params[name]
+
+    def _fuse(self, opt: torch.optim.Optimizer) -> None:
+        """torch's Adam/AdamW (exactly those classes, not subclasses) become fastops' in place: the same object
+        with the same param_group dicts, state and hooks, its states moved to fp32 as fastops keeps them. It stays
+        torch's when fastops does not support its params or settings (float64 or sparse params, differentiable)."""
+        cls = _FUSABLE.get(type(opt))
+        if cls is None or opt.defaults.get("differentiable", False):
+            return
+        name = f"fastops.optim.{cls.__name__}"
         try:
-            new = cls(groups, **defaults)
-        except TypeError as e:
-            raise ValueError(
-                f"fastops.accelerate: could not rebuild {type(opt).__name__} on the sharded parameters ({e}); "
-                "create the optimizer after fastops.accelerate(model) from the returned model's parameters"
-            ) from e
-        if opt.state:
-            if self.strategy == "fsdp":
-                raise ValueError(
-                    "fastops.accelerate: the optimizer already has state, which cannot be carried over to FSDP2's "
-                    "sharded parameters; prepare it before training, and resume with Accelerator.load"
-                )
-            new.load_state_dict(opt.state_dict())
-        return new
+            for group in opt.param_groups:
+                for i, p in enumerate(group["params"]):
+                    optim._check_param(p, i, name)
+                if len({p.device for p in group["params"]}) > 1:
+                    return
+            optim._check_no_overlap([p for g in opt.param_groups for p in g["params"]], name)
+        except ValueError:
+            return
+        opt.__class__ = cls
+        opt._fastops_init(master_weights=False, max_grad_norm=None)
+        # torch wraps a class's step (step hooks, profiler) when the first instance is constructed; a class
+        # assigned without a constructor call gets the same here.
+        opt._patch_step_function()
+        # fastops' state layout (fp32 moments, float32 step tensor on the param's device), converted by the code
+        # that converts a torch state_dict loaded into a fastops optimizer.
+        opt._fastops_loading = [(p, dict(s)) for p, s in opt.state.items()]
+        cls._load_post_hook(opt)
 
     def _prepare_scheduler(self, scheduler):
         if self.optimizer is None:
             raise ValueError("fastops.Accelerator.prepare: prepare the optimizer before (or with) the scheduler")
         if scheduler.optimizer is not self.optimizer:
-            if self._old_optimizers.get(id(scheduler.optimizer)) is not self.optimizer:
-                raise ValueError("fastops.Accelerator.prepare: the scheduler's optimizer was not prepared here")
-            scheduler.optimizer = self.optimizer
+            raise ValueError(
+                "fastops.Accelerator.prepare: the scheduler drives an optimizer that was not prepared here"
+            )
         wrapped = _Scheduler(scheduler, self.optimizer, self)
         self.schedulers.append(wrapped)
         return wrapped
@@ -460,12 +580,16 @@ class Accelerator:
 
         from .data import Prefetcher
 
+        # num_workers=0: the dataset, collate_fn and sampler run in this process, where their draws from the
+        # global RNGs must stay in the loop's order (see the module docstring); worker processes draw from
+        # their own generators, seeded on this thread when the pass starts.
+        background = not (isinstance(loader, DataLoader) and loader.num_workers == 0)
         if self.world_size > 1:
             if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset):
                 loader = self._shard_dataloader(loader, DataLoader, DistributedSampler, RandomSampler, SequentialSampler)
             else:
                 loader = _RoundRobin(loader, self.rank, self.world_size)
-        wrapped = _Loader(Prefetcher(loader, device=self.device))
+        wrapped = _Loader(Prefetcher(loader, device=self.device, background=background))
         self.loaders.append(wrapped)
         return wrapped
 
@@ -495,8 +619,41 @@ class Accelerator:
     # ---- the step ----------------------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """``loss.backward()``: loss scaling and the 1/k of accumulation are applied by the model's output hooks."""
-        loss.backward(**kwargs)
+        """``(loss * scale / k).backward(**kwargs)``, with the model's output hooks standing aside: every term of
+        the loss is scaled once, including terms whose gradient does not pass through the model's outputs
+        (which ``loss.backward()`` leaves unscaled, see the module docstring). Plain ``loss.backward()`` when
+        there is nothing to scale (no fp16, accumulate=1)."""
+        factor = self._factor()
+        if factor is None:
+            loss.backward(**kwargs)
+            return
+        self._exact_backward = True
+        try:
+            (loss * factor.to(loss.device)).backward(**kwargs)
+        finally:
+            self._exact_backward = False
+        self._grads_scaled = True
+
+    def _check_scaled(self, opt: torch.optim.Optimizer) -> None:
+        """Before a real step: gradients that all bypassed the scaling would be divided by the loss scale (or
+        summed over k micro-batches) without having been multiplied by it, which must not train silently."""
+        if self._grads_scaled or self._factor() is None:
+            return
+        if not any(p.grad is not None for g in opt.param_groups for p in g["params"]):
+            return
+        missing = []
+        if self.scaler is not None:
+            missing.append(f"the fp16 loss scale ({self.scaler.get_scale():g}) the step divides by")
+        if self.accumulate > 1:
+            missing.append(f"the 1/{self.accumulate} of accumulate={self.accumulate}")
+        what = " and ".join(missing)
+        raise RuntimeError(
+            "fastops.accelerate: optimizer.step() found gradients, but none came through the prepared model's "
+            f"outputs since the last step, so they lack {what}. The loss was not computed from what model(...) "
+            "returned as fastops sees it (an output container it does not look into, such as a SimpleNamespace, "
+            "or a forward run outside the prepared model). Call optimizer.accelerator.backward(loss) "
+            "(Accelerator.backward) instead of loss.backward(): it scales the whole loss."
+        )
 
     def _all_reduce_stats(self, stats: torch.Tensor) -> torch.Tensor:
         """[sum of squares, max |g|, found_inf] of the local FSDP2 shards -> the global ones (device-side)."""
@@ -523,13 +680,7 @@ class Accelerator:
         model = self.model if model is None else model
         return model.module if hasattr(model, "no_sync") and hasattr(model, "module") else model
 
-    def _barrier(self) -> None:
-        if self.distributed and self.world_size > 1:
-            dist.barrier()
-
-    def _state(self) -> dict[str, Any]:
-        if self.model is None:
-            raise ValueError("fastops.Accelerator.save: nothing prepared yet")
+    def _state(self, rngs: list[dict[str, Any]]) -> dict[str, Any]:
         if self.strategy == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
@@ -552,47 +703,70 @@ class Accelerator:
             "step": self.step,
             "micro_step": self.micro_step,
             "loader_epochs": [ld.epoch for ld in self.loaders],
-            "rng": _rng_state(),
+            "rng": rngs,  # index = rank
         }
 
     def save(self, path: str | os.PathLike) -> None:
-        """Writes model, optimizer, scaler, schedulers, step counters, RNG states and loader epochs to ``path``.
+        """Writes model, optimizer, scaler, schedulers, step counters, each rank's RNG states and loader epochs
+        to ``path``.
 
+        With several ranks, every rank must call it at the same point of training: it gathers every rank's RNG
+        state (and under FSDP the full model and optimizer state), so ``if acc.is_main: acc.save(path)`` hangs.
         Rank 0 writes, to a temp file in the same directory that then replaces ``path`` (a crash leaves the
-        previous checkpoint whole). Under FSDP every rank must call it (the full state is gathered); otherwise
-        the other ranks return at once, so a save that only rank 0 calls cannot hang them. RNG states are rank
-        0's."""
+        previous checkpoint whole); the file gets the mode a plain ``open()`` gives (0o666 less the umask), and
+        the file and then its directory are fsynced, so the rename survives a power loss. ``save`` returns on
+        every rank once the file is in place, or raises on every rank when a rank failed (rank 0 could not
+        write, say).
+
+        The loaders' epochs are saved, not the position inside a pass: a run resumed from a save made in the
+        middle of a pass starts that pass again from its first batch. Save at the end of a pass."""
         path = os.fspath(path)
+        if self.model is None:
+            raise ValueError("fastops.Accelerator.save: nothing prepared yet")
         if self.micro_step % self.accumulate:
             warnings.warn(
                 "fastops.Accelerator.save: saving in the middle of an accumulation cycle; the gradients "
                 "accumulated so far are not saved, so a resumed run does not continue this cycle exactly",
                 stacklevel=2,
             )
-        if self.strategy != "fsdp" and not self.is_main:
-            return
-        state = self._state()
-        if not self.is_main:
-            return
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
+        collective = self.distributed and self.world_size > 1
+        rngs = [_rng_state()]
+        if collective:
+            rngs = [None] * self.world_size
+            dist.all_gather_object(rngs, _rng_state())
+        error = None
         try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+            state = self._state(rngs) if self.is_main or self.strategy == "fsdp" else None
+            if self.is_main:
+                _write_atomic(state, path)
+        except BaseException as e:  # noqa: BLE001 - reported to every rank below, then re-raised
+            if not collective:
+                raise
+            error = e
+        if collective:
+            # Also the barrier that keeps every rank in save until the file is in place.
+            statuses = [None] * self.world_size
+            dist.all_gather_object(statuses, None if error is None else f"{type(error).__name__}: {error}")
+            failed = [f"rank {r}: {s}" for r, s in enumerate(statuses) if s is not None]
+            if error is not None:
+                raise error
+            if failed:
+                raise RuntimeError(f"fastops.Accelerator.save: {path} was not saved ({'; '.join(failed)})")
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restores what ``save`` wrote. Every rank calls it (it starts with a barrier, so rank 0's save is
-        complete). The checkpoint is read and checked against the prepared objects before anything is
-        changed: a truncated or mismatched file raises and leaves the current state as it was."""
+        """Restores what ``save`` wrote; each rank gets back its own RNG state.
+
+        Outside FSDP it makes no collective call: each rank reads the file on its own, so a load that only
+        some ranks make (``if acc.is_main: acc.load(path)``) does not hang. Under FSDP every rank must call it
+        (the full state is scattered into the shards). A load right after ``save`` reads the new file: save
+        returns only once it is in place, and ``os.replace`` swaps it atomically, so a concurrent reader sees
+        the old file or the new one, whole. Across machines this relies on the shared filesystem showing the
+        rename to every client at once, which NFS's attribute caching does not guarantee.
+
+        The checkpoint is read and checked against the prepared objects before anything is changed: a
+        truncated or mismatched file raises and leaves the current state as it was. A checkpoint saved by a
+        different number of ranks loads with a warning: rank r then restores saved rank (r mod N)'s RNG state."""
         path = os.fspath(path)
-        self._barrier()
         try:
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:
@@ -602,6 +776,14 @@ class Accelerator:
                 f"fastops.Accelerator.load: {path} is not a readable checkpoint (truncated or corrupt?): {e}"
             ) from e
         self._check(ckpt, path)
+        rngs = ckpt["rng"] if isinstance(ckpt["rng"], list) else [ckpt["rng"]]  # v1 kept rank 0's only
+        if len(rngs) != self.world_size:
+            warnings.warn(
+                f"fastops.Accelerator.load: {path} holds the RNG states of {len(rngs)} rank(s), this run has "
+                f"{self.world_size}; rank r restores saved rank (r mod {len(rngs)})'s, so random draws (dropout, "
+                "unseeded shuffling) do not continue those of the saved run",
+                stacklevel=2,
+            )
         model = self.unwrap()
         if ckpt["format"] == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
@@ -623,14 +805,17 @@ class Accelerator:
             loader.set_epoch(epoch)
         self.step, self.micro_step = ckpt["step"], ckpt["micro_step"]
         self._last_step_real = self.micro_step % self.accumulate == 0
-        _set_rng_state(ckpt["rng"])
+        self._grads_scaled = False
+        _set_rng_state(rngs[self.rank % len(rngs)])
 
     def _check(self, ckpt: Any, path: str) -> None:
         def fail(why: str):
             raise ValueError(f"fastops.Accelerator.load: {path} does not match what this Accelerator prepared: {why}")
 
-        if not isinstance(ckpt, dict) or ckpt.get("fastops_checkpoint") != _CKPT_VERSION:
-            raise RuntimeError(f"fastops.Accelerator.load: {path} is not a fastops checkpoint (v{_CKPT_VERSION})")
+        if not isinstance(ckpt, dict) or ckpt.get("fastops_checkpoint") not in _CKPT_READABLE:
+            raise RuntimeError(
+                f"fastops.Accelerator.load: {path} is not a fastops checkpoint (versions {_CKPT_READABLE} are read)"
+            )
         if self.model is None:
             fail("nothing is prepared yet; prepare the model (and optimizer) first")
         expected = "fsdp" if self.strategy == "fsdp" else "plain"
@@ -674,6 +859,8 @@ def _step(opt: torch.optim.Optimizer, closure=None):
     cls = type(opt)
     if acc._raw:
         return cls.step(opt, closure)
+    if closure is None and (acc.micro_step + 1) % acc.accumulate == 0:
+        acc._check_scaled(opt)  # before anything changes, so a raise leaves the run as it was
     opt._opt_called = True  # for torch's LRScheduler order check
     acc.micro_step += 1
     acc._last_step_real = acc.micro_step % acc.accumulate == 0
@@ -697,6 +884,7 @@ def _step(opt: torch.optim.Optimizer, closure=None):
     finally:
         acc._raw = False
     acc.step += 1
+    acc._grads_scaled = False
     return result
 
 
@@ -710,6 +898,33 @@ def _zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
     acc: Accelerator = opt.accelerator
     if acc._raw or acc.micro_step % acc.accumulate == 0:
         type(opt).zero_grad(opt, set_to_none)
+
+
+def _write_atomic(obj: Any, path: str) -> None:
+    """torch.save to a temp file next to ``path`` that then replaces it."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f"{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    # Created by os.open with 0o666 so the kernel applies the umask (and a default ACL) as for open(path, "wb");
+    # tempfile.mkstemp's 0o600 would make the checkpoint unreadable to the group.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if hasattr(os, "O_DIRECTORY"):  # POSIX; Windows cannot open a directory
+        # The rename is a change to the directory: until the directory is synced a power loss can bring
+        # back the previous file.
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def _rng_state() -> dict[str, Any]:

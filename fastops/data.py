@@ -14,6 +14,16 @@ buffers is one ``torch._foreach_copy_`` per batch, which runs without the GIL (m
 On the CPU nothing is copied: the worker only runs the loader (and ``transform``) ahead of the step. That
 pays off when loading releases the GIL (file I/O, decoding in C, torch ops); a loader that is pure Python
 competes with the step for the GIL and gains little.
+
+Random numbers: torch's default generator, ``random`` and ``numpy.random`` are process-wide, with no
+per-thread state to give the worker. A loader that draws from them in this process (a dataset with random
+augmentations, a RandomSampler without a ``generator``, all under a ``DataLoader(num_workers=0)``) makes
+those draws in the worker thread, interleaved with the step's own (dropout) in an order that changes from run
+to run, so seeded runs stop being reproducible. ``background=False`` loads on the calling thread instead, in
+the order of an unwrapped loop (on CUDA the copy to the device still runs on the side stream). With worker
+processes (``num_workers > 0``) the dataset and collate_fn draw in those processes, from generators seeded by
+``iter()`` on the calling thread, and a RandomSampler draws its seed there too; only a sampler that keeps
+drawing from the global generators during the pass would still draw in the background thread.
 """
 
 from __future__ import annotations
@@ -67,6 +77,16 @@ def _map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
             object.__setattr__(clone, f.name, _map_tensors(fn, getattr(obj, f.name)))
         return clone
     return obj
+
+
+def _forward_attribute(obj: Any, inner: str, name: str) -> Any:
+    """``getattr(obj.<inner>, name)``, for a wrapper's ``__getattr__``. Private and dunder names are not
+    forwarded, nor is anything while ``inner`` is unset (copy and pickle probe an instance before its
+    ``__dict__`` is filled), so those lookups fail as usual instead of recursing."""
+    wrapped = obj.__dict__.get(inner)
+    if name.startswith("_") or wrapped is None:
+        raise AttributeError(f"{type(obj).__name__!r} object has no attribute {name!r}")
+    return getattr(wrapped, name)
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -180,14 +200,22 @@ class _Stager:
             # so depth + 1 slots mean the worker almost never waits on a staging event.
             self.pool = _PinnedPool(depth + 1)
 
+    def release(self) -> None:
+        """Drops the pinned staging buffers, back to torch's pinned-memory cache where any pinned allocation
+        can reuse them. Copies still reading them are safe: torch keeps a pinned block out of reuse until the
+        asynchronous copies it recorded on it have finished."""
+        if self.cuda:
+            self.pool = _PinnedPool(len(self.pool.buffers), self.pool.pin_memory)
+
     def stage(self, batch: Any) -> Any:
         """Worker side: the batch on the device, with the event the consumer must wait on."""
         if not self.cuda:
             return batch if self.transform is None else self.transform(batch)
+        pool = self.pool  # once: release() may swap in a new pool while this batch is being staged
         with torch.cuda.device(self.device):
             producer = torch.cuda.current_stream()  # the worker thread's stream, where a loader ran its ops
             with torch.cuda.stream(self.stream), torch.no_grad():
-                slot = self.pool.take()
+                slot = pool.take()
                 pageable: list[torch.Tensor] = []
                 stagings: list[torch.Tensor] = []
                 pinned: list[torch.Tensor] = []  # staging buffers, and host tensors that were pinned already
@@ -202,7 +230,7 @@ class _Stager:
                         return t.to(self.device, non_blocking=self.non_blocking)
                     src = t
                     if not t.is_pinned():
-                        src = self.pool.staging(slot, len(pageable), t)
+                        src = pool.staging(slot, len(pageable), t)
                         pageable.append(t)
                         stagings.append(src)
                     out = torch.empty_strided(t.shape, _dense_stride(t), dtype=t.dtype, device=self.device)
@@ -220,7 +248,7 @@ class _Stager:
                 if outs:
                     # Mixed devices: torch runs this as a loop of copy_ in C++, with non_blocking honoured.
                     torch._foreach_copy_(outs, pinned, non_blocking=self.non_blocking)
-                self.pool.done(slot, self.stream)
+                pool.done(slot, self.stream)
                 if on_device and self.transform is not None:
                     # The transform reads what the loader wrote on its stream. This also waits for the step's
                     # queued work, so it is only paid when the loader yields tensors already on the device.
@@ -261,12 +289,13 @@ def _work(source: Iterator, q: queue.Queue, stop: threading.Event, stager: _Stag
     # torch.set_num_threads: two threads of 512x512 matmuls at 1 thread each took 0.39 s on 2 idle cores
     # without this and 0.24 s with it (1.8 s against 0.6 s while another process kept the cores busy).
     torch.set_num_threads(threads)
+    finished = False
     try:
         while not stop.is_set():
             try:
                 batch = next(source)
             except StopIteration:
-                _put(q, (_END, None), stop)
+                finished = _put(q, (_END, None), stop)
                 return
             if not _put(q, (_OK, stager.stage(batch)), stop):
                 return
@@ -277,6 +306,11 @@ def _work(source: Iterator, q: queue.Queue, stop: threading.Event, stager: _Stag
     finally:
         if stop.is_set():
             _drain(q)  # a batch put just before the consumer's drain would otherwise wait in the queue
+        if not finished:
+            # A pass cut short (break, del, error, a new pass): the pinned buffers would otherwise stay with the
+            # Prefetcher until close(). Released here, by the pool's only user, once it is done with it. A pass
+            # that ran to its end keeps them for the next one.
+            stager.release()
 
 
 def _drain(q: queue.Queue) -> None:
@@ -306,12 +340,17 @@ class Prefetcher:
             only useful for debugging.
         transform: ``transform(batch) -> batch``, run on the device batch (on CUDA, on the copy stream),
             e.g. uint8 to normalized float or channels_last. On the CPU it runs in the worker thread.
+        background: load in the worker thread (the default). ``False`` loads each batch on the calling
+            thread when the loop asks for it, for loaders that draw from the process-global random number
+            generators (see the module docstring); on CUDA the copy still goes through the pinned pool and the
+            side stream. ``depth`` is then unused.
 
-    Each ``iter()`` starts a new pass (and stops the previous pass's worker). ``len()`` and
-    ``set_epoch()`` go to the wrapped iterable. An exception raised by the iterable reaches the consumer
-    after the batches before it, as the same exception object with its original traceback. Breaking out of
-    the loop, deleting the iterator or garbage collection stop the worker; ``close()`` does it explicitly and
-    also frees the pinned staging buffers.
+    Each ``iter()`` starts a new pass (and stops the previous pass). ``len()`` and ``set_epoch()`` go to the
+    wrapped iterable, and so do attributes the Prefetcher lacks (``dataset``, ``batch_size``, ``sampler``,
+    ...). An exception raised by the iterable reaches the consumer after the batches before it, as the same
+    exception object with its original traceback. Breaking out of the loop, deleting the iterator or garbage
+    collection stop the worker and free the pinned staging buffers (a pass that runs to its end keeps them
+    for the next pass); ``close()`` does both explicitly.
     """
 
     def __init__(
@@ -321,6 +360,7 @@ class Prefetcher:
         depth: int = 2,
         non_blocking: bool = True,
         transform: Callable[[Any], Any] | None = None,
+        background: bool = True,
     ):
         if not (isinstance(iterable, collections.abc.Iterable) or hasattr(type(iterable), "__getitem__")):
             raise TypeError(f"fastops.data.Prefetcher: expected an iterable of batches, got {type(iterable).__name__}")
@@ -333,13 +373,19 @@ class Prefetcher:
         self.iterable = iterable
         self.device = _resolve_device(device)
         self.depth = depth
+        self.background = bool(background)
         self._stager = _Stager(self.device, non_blocking, transform, depth)
         self._worker: tuple[threading.Thread, threading.Event, queue.Queue] | None = None
+        self._inline_pass: weakref.ref | None = None
 
     def __iter__(self) -> Iterator:
         # The previous pass must be over before a new one starts: a DataLoader with persistent_workers
-        # hands out the same iterator again, which two threads must not advance at once.
+        # hands out the same iterator again, which two passes must not advance at once.
         self._stop_worker()
+        if not self.background:
+            gen = self._inline(iter(self.iterable))
+            self._inline_pass = weakref.ref(gen)
+            return gen
         source = iter(self.iterable)
         q: queue.Queue = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
@@ -373,7 +419,21 @@ class Prefetcher:
         finally:
             _shutdown(stop, q)
 
+    def _inline(self, source: Iterator) -> Iterator:
+        finished = False
+        try:
+            for batch in source:
+                yield self._stager.receive(self._stager.stage(batch))
+            finished = True
+        finally:
+            if not finished:
+                self._stager.release()
+
     def _stop_worker(self) -> None:
+        inline = self._inline_pass() if self._inline_pass is not None else None
+        self._inline_pass = None
+        if inline is not None:
+            inline.close()  # runs its finally now, not when it is collected
         if self._worker is None:
             return
         thread, stop, q = self._worker
@@ -385,8 +445,10 @@ class Prefetcher:
     def close(self) -> None:
         """Stops the worker, waits for it, and frees the pinned staging buffers."""
         self._stop_worker()
-        if self._stager.cuda:
-            self._stager.pool = _PinnedPool(len(self._stager.pool.buffers))
+        self._stager.release()
+
+    def __getattr__(self, name: str) -> Any:
+        return _forward_attribute(self, "iterable", name)
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]  # TypeError as the iterable's own when it has none

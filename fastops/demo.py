@@ -80,20 +80,61 @@ def train_loop(model, optimizer, loader, device, label: str, tokens_per_step: in
         times.append(now - start)  # from the end of the previous step: includes waiting for the batch
         start = now
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    ms = 1e3 * statistics.median(times[min(3, len(times) - 1) :])  # the first steps warm up kernels
-    return {"label": label, "ms": ms, "tok_s": tokens_per_step / (ms / 1e3), "loss": losses[-1]}
+    warmup = min(3, len(times) - 1)  # the first steps warm up kernels; --steps >= 1 leaves one to time
+    ms = 1e3 * statistics.median(times[warmup:])
+    return {"label": label, "ms": ms, "tok_s": tokens_per_step / (ms / 1e3), "loss": losses[-1], "warmup": warmup}
+
+
+HEADS = 4
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _model_dim(text: str) -> int:
+    value = _positive_int(text)
+    if value % HEADS:
+        raise argparse.ArgumentTypeError(f"must be a multiple of {HEADS} (the attention heads), got {value}")
+    return value
+
+
+def _device(text: str) -> str:
+    """Checked while parsing, so a bad device is a usage error instead of a traceback from deep in torch."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use 'cpu' or 'cuda'") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not supported; use 'cpu' or 'cuda'")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(
+                f"{text!r} needs CUDA, which this torch ({torch.__version__}) does not have or cannot reach; "
+                "use --device cpu"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text!r} does not exist ({torch.cuda.device_count()} CUDA device(s))")
+    return text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=40, help="training steps per run (40: about 35 s in all on 2 CPU cores)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", type=_positive_int, default=40,
+                   help="training steps per run (40: about 35 s in all on 2 CPU cores)")  # fmt: skip
+    p.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                    help="precision of the fastops run (auto: bf16 where the device has it natively)")  # fmt: skip
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--batch", type=_positive_int, default=8)
+    p.add_argument("--seq", type=_positive_int, default=128)
+    p.add_argument("--dim", type=_model_dim, default=256, help=f"model width, a multiple of {HEADS}")
+    p.add_argument("--layers", type=_positive_int, default=4)
+    p.add_argument("--vocab", type=_positive_int, default=8192)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
 
@@ -106,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
 
     def fresh():
         torch.manual_seed(args.seed)
-        model = TinyGPT(vocab=args.vocab, dim=args.dim, layers=args.layers, seq=args.seq).to(args.device)
+        model = TinyGPT(vocab=args.vocab, dim=args.dim, layers=args.layers, heads=HEADS, seq=args.seq).to(args.device)
         return model, torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     model, optimizer = fresh()
@@ -126,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['label']:16s} {r['ms']:9.1f} {r['tok_s']:10.0f} {r['loss']:11.4f} {base / r['ms']:8.2f}x")
     print(f"\nfastops run: fastops.accelerate(model, optimizer, loader) -> precision {acc.precision}, "
           f"strategy {acc.strategy}, fused {type(optimizer).__name__}, batches prefetched; ms/step is the median "
-          f"after 3 warm-up steps")  # fmt: skip
+          f"after {rows[-1]['warmup']} warm-up step(s)")  # fmt: skip
     if not all(math.isfinite(r["loss"]) for r in rows):
         print("a run diverged")
         return 1

@@ -1,15 +1,17 @@
-"""2-rank runs of fastops.accelerate for tests/test_accelerate.py, launched as
-``python -m torch.distributed.run --nproc_per_node=2 tests/dist_worker.py STRATEGY OUT``.
+"""2-rank runs of fastops.accelerate for tests/test_accelerate.py: ``tests/dist_worker.py STRATEGY OUT``, once
+per rank, with the environment torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
 Each scenario trains a tiny model on a map-style DataLoader with the loop unchanged; rank 0 saves the
 mean loss of every step and the full parameters to OUT, and the test compares them with ``reference``:
 one process, plain torch, on the same global batches. The model and data live here so both sides share them.
+Checkpoint checks (flags agreed on by all ranks) go to OUT as well.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -162,6 +164,8 @@ def main(strategy: str, out: str) -> None:
         dist.all_gather_object(scales, opt.accelerator.scaler.get_scale())
         results[f"fp16_{name}"] = {"losses": losses, "scales": scales}
 
+    results.update(_checkpoint_checks(strategy, os.path.dirname(out)))
+
     if dist.get_rank() == 0:
         torch.save(results, out)
     dist.barrier()
@@ -170,6 +174,85 @@ def main(strategy: str, out: str) -> None:
 
 def _local(t):
     return t._local_tensor if hasattr(t, "_local_tensor") else t
+
+
+def _all(flag: bool) -> bool:
+    import torch.distributed as dist
+
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _prepared(strategy: str):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fastops.accelerate import accelerate
+
+    model, opt = make("adamw")
+    loader = DataLoader(TensorDataset(*data()), batch_size=PER_RANK_BATCH, shuffle=True)
+    return accelerate(model, opt, loader, precision="fp32", strategy=strategy)
+
+
+def _noisy_epoch(model, opt, loader) -> None:
+    for x, y in loader:
+        # Different on each rank (seeded per rank): a rank resumed with another rank's RNG state adds other
+        # noise than it did in the uninterrupted run, and the averaged gradient changes.
+        loss = F.mse_loss(model(x + 0.1 * torch.randn_like(x)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _checkpoint_checks(strategy: str, directory: str) -> dict[str, bool]:
+    import torch.distributed as dist
+    from torch.utils.data import DistributedSampler
+
+    rank = dist.get_rank()
+    ckpt = os.path.join(directory, f"resume_{strategy}.pt")
+    model, opt, loader = _prepared(strategy)
+    out = {"sharded_sampler": _all(isinstance(loader.sampler, DistributedSampler) and len(loader.dataset) == N)}
+    torch.manual_seed(100 + rank)
+    for _ in range(2):
+        _noisy_epoch(model, opt, loader)
+    uninterrupted = _full(model)
+
+    model, opt, loader = _prepared(strategy)
+    torch.manual_seed(100 + rank)
+    _noisy_epoch(model, opt, loader)
+    opt.accelerator.save(ckpt)
+    model, opt, loader = _prepared(strategy)
+    torch.manual_seed(7)  # the same on both ranks, unlike what was saved
+    opt.accelerator.load(ckpt)
+    _noisy_epoch(model, opt, loader)
+    resumed = _full(model)
+    out["resume_bitwise"] = _all(all(torch.equal(uninterrupted[n], p) for n, p in resumed.items()))
+
+    # Rank 0 cannot write there: save must raise on both ranks, not leave rank 1 waiting or believing it saved.
+    try:
+        opt.accelerator.save(os.path.join(directory, "no_such_dir", "ckpt.pt"))
+        raised = False
+    except (FileNotFoundError, RuntimeError):
+        raised = True
+    out["save_error_on_every_rank"] = _all(raised)
+
+    if strategy == "ddp":
+        # A load that only rank 0 makes must not wait for rank 1, which meanwhile waits (up to 30 s) for a file
+        # rank 0 writes after its load.
+        done = os.path.join(directory, "rank0_loaded")
+        if rank == 0:
+            opt.accelerator.load(ckpt)
+            open(done, "w").close()
+            seen = True
+        else:
+            for _ in range(3000):
+                if os.path.exists(done):
+                    break
+                time.sleep(0.01)
+            seen = os.path.exists(done)
+        dist.barrier()
+        out["rank0_only_load"] = _all(seen)
+    return out
 
 
 if __name__ == "__main__":

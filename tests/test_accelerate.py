@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib
 import math
 import os
+import re
+import signal
 import socket
+import stat
 import subprocess
 import sys
+import threading
+import time
+import types
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from fastops import optim
 from fastops.accelerate import Accelerator, accelerate
@@ -88,23 +97,91 @@ def test_fp32_parity_with_plain_torch():
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
 
 
-def test_optimizer_groups_hyperparameters_and_state_carried_over():
+def test_optimizer_converted_in_place_keeps_groups_state_and_hooks():
     torch.manual_seed(0)
     model = Net()
-    opt = torch.optim.Adam(
-        [{"params": model.fc1.parameters(), "lr": 3e-3, "weight_decay": 0.01}, {"params": model.fc2.parameters()}],
-        lr=1e-3, betas=(0.8, 0.9), amsgrad=True,
-    )  # fmt: skip
-    loop(model, opt, batches(1))  # state exists before the one line
+
+    def adam(m):
+        groups = [{"params": m.fc1.parameters(), "lr": 3e-3, "weight_decay": 0.01}, {"params": m.fc2.parameters()}]
+        return torch.optim.Adam(groups, lr=1e-3, betas=(0.8, 0.9), amsgrad=True)
+
+    opt = adam(model)
+    data = batches(5)
+    loop(model, opt, data[:2])  # state exists before the one line
+    ref_model = copy.deepcopy(model)
+    ref_opt = adam(ref_model)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # a copy: load_state_dict keeps same-dtype tensors
+    group_ids = [id(g) for g in opt.param_groups]
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    saved = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()}
+    steps = []
+    opt.register_step_post_hook(lambda *args: steps.append(1))
+
     _, new, _ = accelerate(model, opt, precision="fp32")
-    assert type(new) is optim.Adam
-    for old_g, new_g in zip(opt.param_groups, new.param_groups):
-        assert [id(p) for p in old_g["params"]] == [id(p) for p in new_g["params"]]
-        for k in ("lr", "betas", "eps", "weight_decay", "amsgrad"):
-            assert old_g[k] == new_g[k]
-    for p in model.parameters():
-        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"):
-            assert torch.equal(opt.state[p][k].float(), new.state[p][k])
+    assert new is opt and type(opt) is optim.Adam  # the user's object, now fused
+    assert [id(g) for g in opt.param_groups] == group_ids
+    for g, h in zip(opt.param_groups, hyper):
+        assert {k: v for k, v in g.items() if k in h} == h
+    for p, state in saved.items():
+        assert set(opt.state[p]) == set(state)
+        for k, v in state.items():
+            assert opt.state[p][k].dtype == torch.float32 and torch.equal(opt.state[p][k], v.float())
+
+    loop(model, opt, data[2:])
+    loop(ref_model, ref_opt, data[2:])
+    assert len(steps) == 3  # the step hook registered on torch's optimizer still runs
+    for p, r in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+def test_schedulers_built_before_the_one_line_keep_driving_the_optimizer():
+    data = batches(8)
+
+    def run(prepared: bool):
+        model, opt = make()
+        free = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)  # never prepared
+        lr_scheduler = torch.optim.lr_scheduler
+        warmup, decay = lr_scheduler.LinearLR(opt, 0.5, total_iters=2), lr_scheduler.ExponentialLR(opt, 0.9)
+        seq = lr_scheduler.SequentialLR(opt, [warmup, decay], milestones=[2])
+        loader = data
+        if prepared:
+            model, opt, seq, loader = Accelerator(precision="fp32").prepare(model, opt, seq, data)
+        lrs = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+            for x, y in loader:
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                free.step()
+                seq.step()
+                lrs.append(opt.param_groups[0]["lr"])
+        return lrs, params(model)
+
+    ref_lrs, ref = run(prepared=False)
+    lrs, got = run(prepared=True)
+    assert lrs == pytest.approx(ref_lrs, rel=1e-12) and len(set(lrs)) > 4
+    for p, r in zip(got, ref):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+def test_optimizers_fastops_cannot_fuse_stay_as_they_are():
+    class MyAdamW(torch.optim.AdamW):
+        pass
+
+    torch.manual_seed(0)
+    cases = [
+        (Net().double(), lambda ps: torch.optim.AdamW(ps, lr=1e-2)),  # fastops has no float64 kernel
+        (Net(), lambda ps: MyAdamW(ps, lr=1e-2)),  # a subclass may override what fastops would replace
+        (Net(), lambda ps: torch.optim.AdamW(ps, lr=1e-2, differentiable=True)),
+    ]
+    for model, build in cases:
+        opt = build(model.parameters())
+        cls = type(opt)
+        _, new, loader = accelerate(model, opt, batches(2), precision="fp32")
+        assert new is opt and type(opt) is cls
+        losses = [F.cross_entropy(model(x.to(next(model.parameters()).dtype)), y) for x, y in loader]
+        assert all(torch.isfinite(loss) for loss in losses)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -175,6 +252,99 @@ def test_fp16_scales_grads_and_skips_steps():
     assert scaler.get_scale() == scale / 2
     assert opt.param_groups[0]["lr"] == lr and sched.last_epoch == 0  # the scheduler did not advance
     assert opt.accelerator.step == 2
+
+
+def test_fp16_model_forward_called_directly_is_scaled():
+    x, y = batches(1)[0]
+    model, opt, _ = accelerate(*make(), precision="fp16")
+    F.cross_entropy(model(x), y).backward()
+    via_call = [p.grad.clone() for p in model.parameters()]
+    opt.zero_grad()
+    out = model.forward(x)  # skips module hooks, not the scaling
+    assert out.dtype == torch.float32
+    F.cross_entropy(out, y).backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), via_call))
+    opt.step()
+    assert not opt.step_was_skipped
+
+
+class _Namespaced(nn.Module):
+    """Returns its logits in a container fastops does not look into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return types.SimpleNamespace(logits=self.fc(x))
+
+
+def test_fp16_gradient_that_bypasses_the_outputs_raises_at_step():
+    x, y = batches(1)[0]
+    model = _Namespaced()
+    ref = copy.deepcopy(model)
+    model, opt, _ = accelerate(model, torch.optim.AdamW(model.parameters()), precision="fp16")
+    acc = opt.accelerator
+    with pytest.warns(UserWarning, match="no floating-point tensor.*Accelerator.backward"):
+        out = model(x)
+    F.cross_entropy(out.logits.float(), y).backward()
+    before = params(model)
+    with pytest.raises(RuntimeError, match=r"none came through .*fp16 loss scale.*accelerator.backward\(loss\)"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and acc.micro_step == 0
+
+    # The exact path: the whole loss scaled once.
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the warning was given once already
+        out = model(x)
+    acc.backward(F.cross_entropy(out.logits.float(), y))
+    with torch.autocast("cpu", dtype=torch.float16):
+        ref_logits = ref(x).logits
+    F.cross_entropy(ref_logits.float(), y).backward()
+    scale = acc.scaler.get_scale()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad / scale, r.grad, rtol=2e-2, atol=2e-4)
+    opt.step()
+    assert not opt.step_was_skipped and acc.step == 1
+
+
+def test_accumulate_check_runs_at_the_boundary_only():
+    x, y = batches(1)[0]
+    model = _Namespaced()
+    model, opt, _ = accelerate(model, torch.optim.SGD(model.parameters(), lr=0.1), precision="fp32", accumulate=2)
+    with pytest.warns(UserWarning, match="no floating-point tensor"):
+        F.cross_entropy(model(x).logits, y).backward()
+    opt.step()  # a micro-step: nothing to check yet
+    F.cross_entropy(model(x).logits, y).backward()
+    with pytest.raises(RuntimeError, match="1/2 of accumulate=2"):
+        opt.step()
+
+
+def test_backward_scales_loss_terms_outside_the_outputs():
+    k, b = 2, 4
+    data = batches(6 * k, b)
+
+    def penalty(model):
+        return 1e-2 * sum(p.square().sum() for p in model.parameters())
+
+    model, opt = make()
+    for i, (x, y) in enumerate(data):
+        ((F.cross_entropy(model(x), y) + penalty(model)) / k).backward()
+        if i % k == k - 1:
+            opt.step()
+            opt.zero_grad()
+    ref = params(model)
+
+    model, opt = make()
+    model, opt, loader = accelerate(model, opt, data, precision="fp32", accumulate=k)
+    for x, y in loader:
+        opt.accelerator.backward(F.cross_entropy(model(x), y) + penalty(model))
+        opt.step()
+        opt.zero_grad()
+    for p, r in zip(model.parameters(), ref):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
 
 
 def test_accumulation_matches_one_big_batch():
@@ -289,6 +459,48 @@ def test_loader_kinds_and_set_epoch():
     assert [b[0].tolist() for b in dl] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
+class _Noisy(Dataset):
+    """A random augmentation: draws from torch's global generator in __getitem__. Records the loading threads."""
+
+    def __init__(self, n: int = 24) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.x = torch.randn(n, 6, generator=g)
+        self.y = (self.x @ torch.randn(6, 3, generator=g)).argmax(1)
+        self.threads: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        self.threads.add(threading.current_thread().name)
+        return self.x[i] + 0.1 * torch.randn(6), self.y[i]
+
+
+def test_dataloader_without_workers_is_read_on_the_loops_thread():
+    ds = _Noisy()
+    acc = Accelerator(precision="fp32")
+    model, opt = acc.prepare(*make(dropout=0.3))
+    loop(model, opt, acc.prepare(DataLoader(ds, batch_size=4, shuffle=True)))
+    # In the Prefetcher's thread, its draws would interleave with dropout's in a different order every run.
+    assert ds.threads == {threading.current_thread().name}
+    with_workers = acc.prepare(DataLoader(ds, batch_size=4, num_workers=1))
+    assert with_workers.prefetcher.background  # worker processes draw from their own generators
+
+
+def test_prepared_loader_exposes_the_dataloaders_attributes():
+    ds = TensorDataset(torch.arange(10.0))
+    dl = DataLoader(ds, batch_size=4)
+    acc = Accelerator(precision="fp32")
+    acc.prepare(*make())
+    loader = acc.prepare(dl)
+    assert loader.dataset is ds and loader.batch_size == 4 and loader.sampler is dl.sampler
+    assert loader.prefetcher.dataset is ds and loader.epoch == 0
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        loader.no_such_thing
+    clone = copy.copy(loader)  # copy probes a bare instance for __setstate__: no recursion into __getattr__
+    assert clone.dataset is ds
+
+
 def test_compile_smoke():
     # CI and the dev machines have gcc, so inductor must compile here: any failure is a real one.
     model, opt = make()
@@ -323,6 +535,70 @@ def test_checkpoint_resume_is_bitwise(tmp_path):
     assert acc.step == 3 and sched.last_epoch == 3
     loop(model, opt, data[3:], sched)
     assert all(torch.equal(p, u) for p, u in zip(model.parameters(), uninterrupted))
+
+
+def test_resume_through_a_shuffled_dataloader_is_bitwise(tmp_path):
+    def fresh():
+        acc = Accelerator(precision="fp32")
+        model, opt = make(dropout=0.3)
+        model, opt, loader = acc.prepare(model, opt, DataLoader(_Noisy(), batch_size=4, shuffle=True))
+        torch.manual_seed(5)
+        return acc, model, opt, loader
+
+    acc, model, opt, loader = fresh()
+    for _ in range(3):  # shuffling, augmentation and dropout all draw from the global generator
+        loop(model, opt, loader)
+    uninterrupted = params(model)
+
+    acc, model, opt, loader = fresh()
+    loop(model, opt, loader)
+    acc.save(tmp_path / "ckpt.pt")
+    acc, model, opt, loader = fresh()
+    torch.manual_seed(1234)
+    acc.load(tmp_path / "ckpt.pt")
+    assert loader.epoch == 1 and acc.step == 6
+    for _ in range(2):
+        loop(model, opt, loader)
+    assert all(torch.equal(p, u) for p, u in zip(model.parameters(), uninterrupted))
+
+
+def test_checkpoint_file_mode_and_fsyncs(tmp_path, monkeypatch):
+    acc, model, opt, sched = _fresh()
+    synced = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)), fsync(fd)))
+    umask = os.umask(0o027)
+    try:
+        acc.save(tmp_path / "ckpt.pt")
+    finally:
+        os.umask(umask)
+    # What open(path, "wb") creates under that umask (mkstemp would give 0o600).
+    assert stat.S_IMODE(os.stat(tmp_path / "ckpt.pt").st_mode) == 0o640
+    assert synced == [False, True]  # the file, then its directory after the rename
+
+
+def test_checkpoint_rng_of_another_world_size_or_version(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    acc, model, opt, sched = _fresh()
+    acc.save(path)
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["fastops_checkpoint"] == 2 and len(ckpt["rng"]) == 1
+    mine = ckpt["rng"][0]["torch"]
+    torch.manual_seed(42)
+    ckpt["rng"].append(facc._rng_state())  # as if saved by 2 ranks
+    torch.save(ckpt, path)
+    torch.manual_seed(7)
+    with pytest.warns(UserWarning, match=r"RNG states of 2 rank\(s\), this run has 1; rank r restores saved rank"):
+        acc.load(path)
+    assert torch.equal(torch.get_rng_state(), mine)
+
+    ckpt.update(fastops_checkpoint=1, rng=ckpt["rng"][0])  # version 1: rank 0's state, not a list
+    torch.save(ckpt, path)
+    torch.manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acc.load(path)
+    assert torch.equal(torch.get_rng_state(), mine)
 
 
 def test_checkpoint_truncated_or_mismatched_keeps_last_good(tmp_path, monkeypatch):
@@ -396,6 +672,88 @@ def test_model_without_parameters():
         accelerate(nn.ReLU(), torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
 
 
+def test_device_resolution(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    resolve = facc._resolve_device
+    # Under torchrun (LOCAL_RANK=2): "cuda" and no device both mean this rank's GPU, not every rank on one.
+    assert resolve("cuda", local_rank=2) == resolve(None, local_rank=2) == torch.device("cuda", 2)
+    assert resolve("cuda:1", local_rank=2) == torch.device("cuda", 1)
+    assert resolve("cuda", local_rank=None) == resolve(None, local_rank=None) == torch.device("cuda", 3)
+    assert resolve("cpu", local_rank=2) == torch.device("cpu")
+    with pytest.raises(ValueError, match="LOCAL_RANK=5 but this process sees 4 CUDA device"):
+        resolve("cuda", local_rank=5)
+    with pytest.raises(ValueError, match="'cuda:4' does not exist"):
+        resolve("cuda:4", local_rank=None)
+    with pytest.raises(ValueError, match="unknown device 'gpu0'"):
+        resolve("gpu0", local_rank=None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve(None, local_rank=2) == torch.device("cpu")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        resolve("cuda", local_rank=2)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--steps", "0"], "--steps: must be >= 1, got 0"),
+        (["--batch", "two"], "--batch: expected an integer, got 'two'"),
+        (["--dim", "30"], "--dim: must be a multiple of 4"),
+        (["--device", "cuda"], "--device: 'cuda' needs CUDA, which this torch .* does not have"),
+        (["--device", "meta"], "--device: 'meta' is not supported; use 'cpu' or 'cuda'"),
+    ],
+)
+def test_demo_rejects_bad_arguments(argv, match, monkeypatch, capsys):
+    from fastops.__main__ import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as info:
+        main(["demo", *argv])
+    assert info.value.code == 2  # argparse's usage error, before anything runs
+    assert re.search(match, capsys.readouterr().err)
+
+
+# ---- one rank in this process (gloo) -------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_accumulation_skips_gradient_sync_on_micro_steps(strategy, one_rank_group, monkeypatch):
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    syncs = []  # per forward: whether its backward all-reduces (DDP) / reduce-scatters (FSDP2)
+    if strategy == "ddp":
+        no_sync = DistributedDataParallel.no_sync
+        monkeypatch.setattr(DistributedDataParallel, "no_sync", lambda self: (syncs.append(False), no_sync(self))[1])
+    else:
+        set_sync = FSDPModule.set_requires_gradient_sync
+        monkeypatch.setattr(FSDPModule, "set_requires_gradient_sync",
+                            lambda self, sync, **kw: (syncs.append(sync), set_sync(self, sync, **kw))[1])  # fmt: skip
+    k, data = 2, batches(8, 2)
+    model, opt = make()
+    model, opt, loader = accelerate(model, opt, data, precision="fp32", strategy=strategy, accumulate=k)
+    for x, y in loader:
+        before = len(syncs)
+        F.cross_entropy(model(x), y).backward()
+        if strategy == "ddp" and len(syncs) == before:
+            syncs.append(True)  # this forward ran outside no_sync()
+        opt.step()
+        opt.zero_grad()
+    assert syncs == [False, True] * 4
+
+
 # ---- two ranks (gloo) ----------------------------------------------------------------------------------
 
 
@@ -405,13 +763,87 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_group(cmds: list[list[str]], envs: list[dict[str, str]], log_dir) -> list[subprocess.Popen]:
+    """Starts the commands in one new process group (the first one's), so that one killpg ends them all
+    along with anything they spawned. A group, not a session per process (start_new_session): a process can
+    only join a group of its own session. Output goes to files: a rank blocked on a full pipe would stall the
+    others."""
+    procs: list[subprocess.Popen] = []
+    for i, (cmd, env) in enumerate(zip(cmds, envs)):
+        join = functools.partial(os.setpgid, 0, procs[0].pid if procs else 0)  # 0: a new group, led by rank 0
+        with open(os.path.join(log_dir, f"rank{i}.log"), "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=log,
+                                          stderr=subprocess.STDOUT, preexec_fn=join))  # fmt: skip
+    return procs
+
+
+def _wait_group(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Waits for every process; past ``timeout`` (a hang) kills the whole group and raises TimeoutExpired."""
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        for p in procs:
+            p.wait()
+        raise
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "ZX"  # a zombie has exited; only its entry is left
+    except FileNotFoundError:
+        return True
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_rank_launcher_kills_the_whole_group_on_timeout(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    spawn = ("import subprocess, sys, time; "
+             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(600)")  # fmt: skip
+    cmds = [[sys.executable, "-c", spawn], [sys.executable, "-c", "import time; time.sleep(600)"]]
+    procs = _start_group(cmds, [{}, {}], tmp_path)
+    for _ in range(3000):  # until the grandchild exists (at most 30 s)
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.01)
+    grandchild = int(pid_file.read_text())
+    with pytest.raises(subprocess.TimeoutExpired):
+        _wait_group(procs, timeout=0.1)
+    assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
+    for _ in range(1000):  # SIGKILL is delivered at once; the exit itself can take a moment
+        if _gone(grandchild):
+            break
+        time.sleep(0.01)
+    assert _gone(grandchild), "the rank's child survived the launcher's timeout"
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_match_one_process(strategy, tmp_path):
     out = tmp_path / "result.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           os.path.join(ROOT, "tests", "dist_worker.py"), strategy, str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The ranks are started here rather than by torchrun, which gives each worker its own session: a killpg
+    # on torchrun after a hang would leave them running.
+    port = str(_free_port())
+    world = dist_worker.WORLD
+    envs = [dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                 LOCAL_WORLD_SIZE=str(world)) for r in range(world)]  # fmt: skip
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "dist_worker.py"), strategy, str(out)]
+    procs = _start_group([cmd] * world, envs, tmp_path)
+    logs = lambda: "".join((tmp_path / f"rank{r}.log").read_text()[-3000:] for r in range(world))  # noqa: E731
+    try:
+        _wait_group(procs, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the ranks hung; killed:\n" + logs())
+    assert [p.returncode for p in procs] == [0] * world, logs()
     result = torch.load(out)
     for name in dist_worker.SCENARIOS:
         ref_losses, ref_params = dist_worker.reference(name)
@@ -421,6 +853,11 @@ def test_two_ranks_match_one_process(strategy, tmp_path):
         for n, p in ref_params.items():
             torch.testing.assert_close(got["params"][n], p, rtol=1e-5, atol=1e-6, msg=f"{name}: {n}")
     assert result["checkpoint_ok"]
+    assert result["sharded_sampler"]  # a map-style DataLoader got a DistributedSampler, visible as loader.sampler
+    assert result["resume_bitwise"]  # each rank got its own RNG state back
+    assert result["save_error_on_every_rank"]
+    if strategy == "ddp":
+        assert result["rank0_only_load"]  # returned without waiting for the other rank
     for name in ("fp16_adamw_clip", "fp16_sgd_clip"):
         scales = result[name]["scales"]
         assert scales[0] == scales[1], (name, scales)  # the same steps were skipped on both ranks
