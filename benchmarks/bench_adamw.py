@@ -1,20 +1,25 @@
-"""fastops.optim.AdamW against torch.optim.AdamW's three implementations (foreach default, fused=True,
-for-loop), 1M to 100M params in about 100 tensors.
+"""fastops.optim.AdamW against torch.optim.AdamW's three implementations (foreach=True, fused=True, for-loop
+foreach=False), 1M to 100M params in 100 tensors. torch's default is foreach on CUDA and the for-loop on the
+CPU (foreach kernels are CUDA/XPU-only); the run says which, and compares fastops with it.
 
 Reports ms/step (median, 20/80% quantiles), effective GB/s at 28 bytes/param for fp32 (read grad, read and
-write param, exp_avg, exp_avg_sq) and the machine's copy bandwidth measured in the same run as the
-roofline. Providers are interleaved round by round so drift on a noisy machine hits them all alike.
+write param, exp_avg, exp_avg_sq) and the percentage of the memory roofline: the best of a few streaming
+kernels (copy, in-place scale, in-place add, triad, and Adam's own access pattern with trivial math; see
+common.StreamKernels) on a footprint far past the caches, sampled in every round next to the providers, so
+the roofline sees the same machine load. Copy bandwidth (STREAM's count) is reported too. Rows say whether
+the working set (16 B/param: p, g, m, v) fits the CPU's last-level cache, where a step could beat the roofline.
+Providers are interleaved round by round so drift on a noisy machine hits them all alike.
 
     python benchmarks/bench_adamw.py                  # CPU, 1M..100M
     python benchmarks/bench_adamw.py --quick          # CPU, 1M and 4M, a few seconds
     python benchmarks/bench_adamw.py --device cuda    # on a GPU
+    python benchmarks/bench_adamw.py --sizes 16 64 --rounds 3 --out scratch_adamw   # a short trial run
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -25,12 +30,21 @@ import common  # noqa: E402
 import fastops  # noqa: E402
 
 BYTES_PER_PARAM = {torch.float32: 28}
+WORKING_SET_PER_PARAM = 16  # p, g, m, v in fp32: what has to stay in cache for a step to run from it
 PROVIDERS = {
-    "torch_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "torch_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
     "torch_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
     "torch_forloop": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False),
     "fastops": lambda ps: fastops.optim.AdamW(ps, lr=1e-3),
 }
+
+
+def torch_default(device: str) -> str:
+    """The provider that ``torch.optim.AdamW(params)`` (no foreach/fused argument) runs on ``device``."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    _, foreach = _default_to_fused_or_foreach([torch.empty(1, device=device)], differentiable=False)
+    return "torch_foreach" if foreach else "torch_forloop"
 
 
 def make_params(total: int, n_tensors: int, device: str) -> list[torch.nn.Parameter]:
@@ -47,34 +61,46 @@ def make_params(total: int, n_tensors: int, device: str) -> list[torch.nn.Parame
     return params
 
 
-def bench_size(total: int, args) -> list[dict]:
+def bench_size(total: int, args, stream: common.StreamKernels) -> tuple[list[dict], dict]:
+    base = make_params(total, args.tensors, args.device)
     opts = {}
     for name, make in PROVIDERS.items():
         if args.providers and name not in args.providers:
             continue
-        params = make_params(total, args.tensors, args.device)
+        params = [torch.nn.Parameter(p.detach().clone()) for p in base]
+        for p, b in zip(params, base):
+            p.grad = b.grad.clone()
         opts[name] = make(params)
         opts[name].step()  # state initialisation is not what is measured
+    del base
     samples = {name: [] for name in opts}
+    stream_samples: dict[str, list[float]] = {}
     for _ in range(args.rounds):
+        stream.sample(stream_samples)
         for name, opt in opts.items():
             t = common.time_ms(opt.step, args.device, repeats=args.repeats, warmup=1)
             samples[name].append(t["ms"])
+    roof = stream.summary(stream_samples)
+    working_set = WORKING_SET_PER_PARAM * total
+    llc = common.llc_bytes() if args.device == "cpu" else None
     rows = []
     for name, s in samples.items():
-        ms = statistics.median(s)
-        q = statistics.quantiles(s, n=5) if len(s) >= 5 else [min(s), 0, 0, max(s)]
+        t = common.quantile_row(s)
+        gbs = BYTES_PER_PARAM[torch.float32] * total / (t["ms"] / 1e3) / 1e9
         rows.append({
             "provider": name, "params": total, "tensors": args.tensors, "dtype": "float32",
-            "ms": round(ms, 4), "ms_q20": round(q[0], 4), "ms_q80": round(q[3], 4),
-            "gbs": round(BYTES_PER_PARAM[torch.float32] * total / (ms / 1e3) / 1e9, 2),
+            **{k: round(v, 4) for k, v in t.items()}, "gbs": round(gbs, 2),
+            "roofline_gbs": round(roof["roofline_gbs"], 2), "roofline_kernel": roof["roofline_kernel"],
+            "pct_roofline": round(100 * gbs / roof["roofline_gbs"], 1),
+            "copy_gbs": round(roof["copy_gbs"], 2), "pct_copy": round(100 * gbs / roof["copy_gbs"], 1),
+            "working_set_mib": round(working_set / 2**20), "fits_llc": llc is not None and working_set <= llc,
             "device": args.device, "hardware": common.hardware(args.device),
         })  # fmt: skip
     del opts
-    return rows
+    return rows, roof
 
 
-def plot(rows: list[dict], roofline: float, path: str) -> None:
+def plot(rows: list[dict], path: str) -> None:
     try:
         import matplotlib
 
@@ -86,10 +112,16 @@ def plot(rows: list[dict], roofline: float, path: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for name in dict.fromkeys(r["provider"] for r in rows):
         rs = [r for r in rows if r["provider"] == name]
-        ax1.plot([r["params"] / 1e6 for r in rs], [r["ms"] for r in rs], marker="o", label=name)
-        ax2.plot([r["params"] / 1e6 for r in rs], [r["gbs"] for r in rs], marker="o", label=name)
-    ax2.axhline(roofline, color="k", linestyle="--", label=f"copy bandwidth {roofline:.0f} GB/s")
-    for ax, ylabel in ((ax1, "ms / step"), (ax2, "effective GB/s (28 B/param)")):
+        xs = [r["params"] / 1e6 for r in rs]
+        err = [[r["ms"] - r["ms_q20"] for r in rs], [r["ms_q80"] - r["ms"] for r in rs]]
+        ax1.errorbar(xs, [r["ms"] for r in rs], yerr=err, marker="o", capsize=2, label=name)
+        ax2.plot(xs, [r["gbs"] for r in rs], marker="o", label=name)
+    sizes = list(dict.fromkeys(r["params"] for r in rows))
+    first = [next(r for r in rows if r["params"] == n) for n in sizes]
+    ax2.plot([n / 1e6 for n in sizes], [r["roofline_gbs"] for r in first], "k--",
+             label=f"roofline ({first[0]['roofline_kernel']})")
+    ax2.plot([n / 1e6 for n in sizes], [r["copy_gbs"] for r in first], "k:", label="copy_ (STREAM count)")
+    for ax, ylabel in ((ax1, "ms / step (median, 20-80%)"), (ax2, "effective GB/s (28 B/param)")):
         ax.set_xscale("log")
         ax.set_xlabel("params (M)")
         ax.set_ylabel(ylabel)
@@ -109,29 +141,44 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3, help="steps timed per provider per round")
     p.add_argument("--providers", nargs="*")
+    p.add_argument("--footprint-mib", type=int, default=None,
+                   help="bytes each roofline kernel streams (default: 4 GiB on CUDA; max(1 GiB, 4x LLC) on the CPU)")
     p.add_argument("--quick", action="store_true", help="1M and 4M params, fewer rounds")
-    p.add_argument("--out", default=None, help="result name under benchmarks/results (default adamw_<device>)")
+    p.add_argument("--out", default=None,
+                   help="result name under benchmarks/results, or a path (default adamw_<device>)")
     args = p.parse_args()
     if args.quick:
         args.sizes, args.rounds = [1, 4], 3
-    roofline = common.copy_bandwidth_gbs(args.device)
-    print(f"{common.hardware(args.device)}; fastops backend {fastops._backend.active(args.device.split(':')[0])}; "
-          f"copy bandwidth {roofline:.1f} GB/s")
-    rows = []
+    dev_type = args.device.split(":")[0]
+    default = torch_default(args.device)
+    stream = common.StreamKernels(args.device, args.footprint_mib and args.footprint_mib << 20)
+    llc = common.llc_bytes() if dev_type == "cpu" else None
+    print(f"{common.hardware(args.device)}; fastops backend {fastops._backend.active(dev_type)}; torch's default "
+          f"AdamW here is {default}; roofline kernels on {stream.footprint / 2**30:.2f} GiB"
+          + (f"; last-level cache {llc / 2**20:.0f} MiB" if llc else ""))  # fmt: skip
+    rows, roofs = [], {}
     for m in args.sizes:
-        size_rows = bench_size(int(m * 1e6), args)
+        size_rows, roof = bench_size(int(m * 1e6), args, stream)
+        roofs[f"{m:g}M"] = roof
         by = {r["provider"]: r for r in size_rows}
+        first = size_rows[0]
+        print(f"{m:6g}M  roofline {roof['roofline_gbs']:.1f} GB/s ({roof['roofline_kernel']}); "
+              + ", ".join(f"{k} {v['gbs']:.1f}" for k, v in roof["kernels"].items())
+              + f"; working set {first['working_set_mib']} MiB" + (" (fits the LLC)" if first["fits_llc"] else ""))
         for r in size_rows:
-            r["roofline_gbs"] = round(roofline, 2)
-            r["pct_roofline"] = round(100 * r["gbs"] / roofline, 1)
             if "fastops" in by:
                 r["fastops_speedup"] = round(r["ms"] / by["fastops"]["ms"], 3)
-            print(f"{m:6.0f}M {r['provider']:14s} {r['ms']:9.2f} ms  [{r['ms_q20']:.2f}, {r['ms_q80']:.2f}]  "
-                  f"{r['gbs']:6.1f} GB/s ({r['pct_roofline']:5.1f}% of copy)  fastops is {r.get('fastops_speedup', 0):.2f}x this")
+            r["torch_default"] = r["provider"] == default
+            print(f"        {r['provider']:14s} {r['ms']:9.2f} ms  [{r['ms_q20']:.2f}, {r['ms_q80']:.2f}]  "
+                  f"{r['gbs']:6.1f} GB/s = {r['pct_roofline']:5.1f}% of roofline, {r['pct_copy']:5.1f}% of copy"
+                  + (f"; fastops is {r['fastops_speedup']:.2f}x this" if "fastops_speedup" in r else "")
+                  + ("  (torch default)" if r["torch_default"] else ""))  # fmt: skip
         rows += size_rows
-    name = args.out or f"adamw_{args.device.split(':')[0]}"
-    base = common.write_results(name, rows, {"roofline_gbs": roofline, "torch": torch.__version__, "argv": sys.argv[1:]})
-    plot(rows, roofline, base + ".png")
+    name = args.out or f"adamw_{dev_type}"
+    meta = {"roofline": roofs, "torch_default": default, "llc_bytes": llc, "torch": torch.__version__,
+            "argv": sys.argv[1:]}  # fmt: skip
+    base = common.write_results(name, rows, meta)
+    plot(rows, base + ".png")
     print(f"wrote {base}.json/.csv/.png")
 
 

@@ -10,13 +10,18 @@ they ranged from 0.86x to 1.6x and are not checked.
 GIL: whether torch's host copy (the pageable -> pinned fill of a staging buffer) releases the GIL, measured
 as a pure-Python thread's progress while another thread copies, and as two copying threads against one.
 
-CUDA (when available): large pageable batches while a matmul step runs: plain .to(non_blocking=True),
-a timm-style prefetcher (side stream, no record_stream), and fastops, against the step alone.
+CUDA (when available): large pageable batches copied while a matmul step runs: plain
+.to(device, non_blocking=True) in the loop (a synchronous copy from pageable memory), a timm-style prefetcher
+and fastops, against the step alone. The timm-style baseline gets what timm gets from
+DataLoader(num_workers>0, pin_memory=True): batches pinned off the consumer thread (DataLoader's pin-memory
+thread, two batches ahead), then copied on a side stream one batch ahead with wait_stream (timm's
+PrefetchLoader). fastops pins and copies in its own worker thread.
 
 Results: benchmarks/results/prefetch_{cpu,cuda}.{json,csv,png}. Medians over repeats, quantiles 20/80.
 
     python benchmarks/bench_prefetch.py            # about 1.5 min on a 2-core CPU
     python benchmarks/bench_prefetch.py --quick    # < 30 s smoke run
+    python benchmarks/bench_prefetch.py --quick --cuda-only --out /tmp/x/prefetch   # the GPU part alone
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import itertools
 import json
 import os
 import platform
+import queue
 import statistics
 import sys
 import threading
@@ -267,14 +273,28 @@ def bench_cuda(sizes_mib, n: int, repeats: int) -> list[dict]:
     torch.cuda.synchronize()
     one = (time.perf_counter() - t) / 20
 
+    def pinned_in_thread(batches, depth: int = 2):
+        """What DataLoader(num_workers>0, pin_memory=True) hands timm: each batch pinned by a thread of the
+        consumer's process (DataLoader's pin-memory thread), up to ``depth`` batches ahead (prefetch_factor)."""
+        q: queue.Queue = queue.Queue(maxsize=depth)
+        end = object()
+
+        def pin() -> None:
+            for x in batches:
+                q.put(x.pin_memory())
+            q.put(end)
+
+        worker = threading.Thread(target=pin, daemon=True)
+        worker.start()
+        while (x := q.get()) is not end:
+            yield x
+        worker.join()
+
     def timm_style(batches):
         # timm's PrefetchLoader: copy the next batch on a side stream, wait_stream, no record_stream.
-        # Its batches come pinned from DataLoader(pin_memory=True); pinned here, in the consumer thread,
-        # as DataLoader(num_workers=0, pin_memory=True) would.
         stream = torch.cuda.Stream()
         cur = None
-        for x in batches:
-            x = x.pin_memory()
+        for x in pinned_in_thread(batches):
             with torch.cuda.stream(stream):
                 nxt = x.to(dev, non_blocking=True)
             if cur is not None:
@@ -337,8 +357,8 @@ def bench_cuda(sizes_mib, n: int, repeats: int) -> list[dict]:
 
 
 def write(rows: list[dict], extra: dict, stem: str, title: str) -> None:
-    os.makedirs(RESULTS, exist_ok=True)
-    path = os.path.join(RESULTS, stem)
+    path = stem if os.path.dirname(stem) else os.path.join(RESULTS, stem)  # a name under results/, or a path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".json", "w") as f:
         json.dump(dict(rows=rows, **extra), f, indent=1)
     with open(path + ".csv", "w", newline="") as f:
@@ -377,6 +397,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke run, < 30 s")
     ap.add_argument("--no-cuda", action="store_true", help="skip the CUDA part even when CUDA is available")
+    ap.add_argument("--cuda-only", action="store_true", help="skip the CPU and GIL parts (for gpu_check.sh)")
+    ap.add_argument("--cuda-sizes", type=int, nargs="*", default=None, help="MiB per batch (default 64 256, quick 64)")
+    ap.add_argument("--out", default="prefetch", help="result name prefix under benchmarks/results, or a path prefix; "
+                    "_cpu/_cuda are appended (default prefetch)")
     args = ap.parse_args()
 
     if args.quick:
@@ -386,29 +410,35 @@ def main() -> int:
         configs = [("sleep", 5, 5), ("sleep", 20, 20), ("sleep", 10, 20), ("sleep", 20, 10), ("op", 10, 10)]
         n, repeats = 40, 5
         gil_s, cuda_sizes, cuda_n = 1.0, [64, 256], 30
+    cuda_sizes = args.cuda_sizes or cuda_sizes
     hardware = cpu_name()
     t0 = time.perf_counter()
-    print(f"CPU ({hardware}), torch {torch.__version__}, {n} batches x {repeats} repeats")
-    rows = bench_cpu(configs, n, repeats, hardware)
-    print("GIL")
-    gil = measure_gil(64, gil_s)
+    command = "python benchmarks/bench_prefetch.py " + " ".join(sys.argv[1:])
+    ok = True
+    if args.cuda_only and not torch.cuda.is_available():
+        print("--cuda-only: CUDA is not available")
+        return 1
+    if not args.cuda_only:
+        print(f"CPU ({hardware}), torch {torch.__version__}, {n} batches x {repeats} repeats")
+        rows = bench_cpu(configs, n, repeats, hardware)
+        print("GIL")
+        gil = measure_gil(64, gil_s)
 
-    checks = {}
-    for size in dict.fromkeys(r["size"] for r in rows if r["x_ms"] == r["y_ms"]):
-        ms = {r["provider"]: r["ms"] for r in rows if r["size"] == size}
-        checks[size] = dict(speedup_vs_plain=ms["plain"] / ms["fastops"], required=1.8)
-    ok = all(c["speedup_vs_plain"] >= c["required"] for k, c in checks.items() if k.startswith("sleep"))
-    for k, c in checks.items():
-        print(f"  {k}: fastops {c['speedup_vs_plain']:.2f}x faster than plain")
-    command = "python benchmarks/bench_prefetch.py" + (" --quick" if args.quick else "")
-    meta = dict(command=command, torch=torch.__version__, hardware=hardware, gil=gil, checks=checks,
-                seconds=time.perf_counter() - t0)
-    write(rows, meta, "prefetch_cpu", f"Prefetcher, loader X ms + step Y ms, {hardware}")
+        checks = {}
+        for size in dict.fromkeys(r["size"] for r in rows if r["x_ms"] == r["y_ms"]):
+            ms = {r["provider"]: r["ms"] for r in rows if r["size"] == size}
+            checks[size] = dict(speedup_vs_plain=ms["plain"] / ms["fastops"], required=1.8)
+        ok = all(c["speedup_vs_plain"] >= c["required"] for k, c in checks.items() if k.startswith("sleep"))
+        for k, c in checks.items():
+            print(f"  {k}: fastops {c['speedup_vs_plain']:.2f}x faster than plain")
+        meta = dict(command=command, torch=torch.__version__, hardware=hardware, gil=gil, checks=checks,
+                    seconds=time.perf_counter() - t0)
+        write(rows, meta, f"{args.out}_cpu", f"Prefetcher, loader X ms + step Y ms, {hardware}")
 
     if torch.cuda.is_available() and not args.no_cuda:
         print(f"CUDA ({torch.cuda.get_device_name()})")
         crows = bench_cuda(cuda_sizes, cuda_n, repeats)
-        write(crows, dict(command=command, torch=torch.__version__), "prefetch_cuda",
+        write(crows, dict(command=command, torch=torch.__version__), f"{args.out}_cuda",
               f"H2D copy under a matmul step, {torch.cuda.get_device_name()}")
     print(f"done in {time.perf_counter() - t0:.0f} s; speedup check {'passed' if ok else 'FAILED'}")
     return 0 if ok else 1
