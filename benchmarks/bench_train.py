@@ -14,9 +14,10 @@ PyTorch, on the CPU or a GPU (``--device``), trained by
 Fair by construction: every provider gets the same initial weights (seeded), the same batches through its own
 DataLoader over one list (the prepared ones move them to the device, the plain loops call ``.to(device)``),
 the same dropout masks (the global RNG is seeded before each step, and the loaders draw from their own
-generator), the same AdamW hyperparameters (ADAMW below) and the same loop (``_steps``). Steps are interleaved
-(one step of each provider per round), so load from other processes hits all providers alike; medians with
-20/80% quantiles. Losses are checked at the end (see loss_check): over the last LOSS_TAIL steps, every bf16
+generator), the same AdamW hyperparameters (ADAMW below) and the same loop (``_steps``). Each provider runs in
+its own process (fastops.accelerate keeps freed memory in the process on the CPU, a process-wide setting that
+must not reach the others), ``--blocks`` times with the providers taking turns, so load from other processes
+hits them alike; medians with 20/80% quantiles over the timed steps of all runs. Losses are checked at the end (see loss_check): over the last LOSS_TAIL steps, every bf16
 provider must track torch's own bf16 autocast recipe and that recipe must track fp32, else the exit status is 1.
 
     python benchmarks/bench_train.py                        # ~3 min on 2 CPU cores
@@ -32,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -165,6 +168,10 @@ def resnet_case(batch=8, size=64):
     return dict(name=f"resnet50 b{batch} {size}x{size}", make=ResNet50, batches=batches, loss=loss_fn, tokens=batch)
 
 
+CASES = {"bert": bert_case, "resnet": resnet_case}
+_RESULT = "RESULT "  # prefix of the worker's one line of JSON on stdout
+
+
 # ---- data ------------------------------------------------------------------------------------------------
 
 
@@ -245,15 +252,16 @@ def fastops_accelerate(model, loader, loss_fn, device):
     return _steps(model, opt, loader, loss_fn, device)
 
 
-def providers() -> dict:
+def providers(quiet: bool = False) -> dict:
     out = {"torch fp32": torch_fp32, "torch bf16 tuned": torch_bf16_tuned, "HF-recipe bf16 (torch)": hf_recipe_bf16}
     try:
         import accelerate as _hf  # noqa: F401
 
         out["HF Accelerate bf16"] = hf_accelerate_bf16
     except ImportError:
-        print("note: HF Accelerate is not installed (`import accelerate` failed); its provider is skipped, and "
-              "'HF-recipe bf16 (torch)' runs the same recipe (bf16 autocast, the user's AdamW) in plain torch")  # fmt: skip
+        if not quiet:
+            print("note: HF Accelerate is not installed (`import accelerate` failed); its provider is skipped, and "
+                  "'HF-recipe bf16 (torch)' runs the same recipe (bf16 autocast, the user's AdamW) in plain torch")
     out["fastops.accelerate"] = fastops_accelerate
     return out
 
@@ -266,23 +274,47 @@ def _start(case: dict, makers: dict, batches: list, device: str) -> dict:
     return runners
 
 
-def run_case(case: dict, makers: dict, rounds: int, warmup: int, device: str) -> tuple[list[dict], dict]:
-    runners = _start(case, makers, case["batches"](rounds + warmup), device)
-    samples = {label: [] for label in runners}
-    losses = {label: [] for label in runners}
-    for r in range(rounds + warmup):
-        for label, it in runners.items():
-            torch.manual_seed(1000 + r)  # same dropout masks for every provider (CUDA's generators too)
-            sync(device)
-            start = time.perf_counter()
-            loss = next(it).item()  # the step is done (and synced) once its loss is on the host
-            elapsed = 1e3 * (time.perf_counter() - start)
-            losses[label].append(loss)
-            if r >= warmup:
-                samples[label].append(elapsed)
-    for it in runners.values():
-        it.close()
-    precision = {label: getattr(makers[label], "precision", "fp32" if label == FP32 else "bf16") for label in runners}
+def run_provider(case: dict, label: str, make, steps: int, device: str) -> dict:
+    """``steps`` training steps of one provider from the shared initial weights: per-step ms and losses."""
+    it = _start(case, {label: make}, case["batches"](steps), device)[label]
+    times, losses = [], []
+    for r in range(steps):
+        torch.manual_seed(1000 + r)  # same dropout masks for every provider (CUDA's generators too)
+        sync(device)
+        start = time.perf_counter()
+        losses.append(next(it).item())  # the step is done (and synced) once its loss is on the host
+        times.append(1e3 * (time.perf_counter() - start))
+    it.close()
+    precision = getattr(make, "precision", "fp32" if label == FP32 else "bf16")
+    return {"times": times, "losses": losses, "precision": precision}
+
+
+def _in_process(model_key: str, label: str, steps: int, device: str) -> dict:
+    """run_provider in a fresh interpreter (``--worker``): fastops.accelerate changes process-wide state on
+    the CPU (it keeps freed memory in the process), which must not reach the providers measured against it."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", model_key, label, str(steps), "--device", device]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((x for x in r.stdout.splitlines() if x.startswith(_RESULT)), None)
+    if r.returncode != 0 or line is None:
+        raise RuntimeError(f"bench_train worker {model_key}/{label} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    return json.loads(line[len(_RESULT):])
+
+
+def run_case(model_key: str, makers: dict, rounds: int, warmup: int, blocks: int, device: str) -> tuple[list[dict], dict]:
+    """Each provider runs in its own process, ``blocks`` times in turn (providers alternate, so load from other
+    processes on a shared machine hits them alike); the first ``warmup`` steps of each run are not timed."""
+    case = CASES[model_key]()
+    samples = {label: [] for label in makers}
+    losses: dict[str, list[float]] = {}
+    precision: dict[str, str] = {}
+    for _ in range(blocks):
+        for label in makers:
+            out = _in_process(model_key, label, rounds + warmup, device)
+            samples[label] += out["times"][warmup:]
+            # Same weights, batches and dropout masks in every run: the losses repeat (checked on the CPU).
+            if label in losses and device == "cpu" and losses[label] != out["losses"]:
+                raise RuntimeError(f"bench_train: {label} gave different losses in two runs of the same steps")
+            losses[label], precision[label] = out["losses"], out["precision"]
     check = loss_check(losses, precision)
     base = statistics.median(samples[FP32])
     rows = []
@@ -396,28 +428,36 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--quick", action="store_true", help="few rounds, for a smoke run")
-    p.add_argument("--rounds", type=int, default=None, help="timed steps per provider (default 15, quick 4)")
+    p.add_argument("--rounds", type=int, default=None, help="timed steps per provider and run (default 10, quick 4)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3, quick 1)")
-    p.add_argument("--models", nargs="*", choices=["bert", "resnet"], default=["bert", "resnet"])
+    p.add_argument("--blocks", type=int, default=None, help="runs per provider, taking turns (default 2, quick 1)")
+    p.add_argument("--models", nargs="*", choices=list(CASES), default=list(CASES))
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                   help="afterwards, profile STEPS steps of each provider per model (torch.profiler)")
+                   help="afterwards, profile STEPS steps of each provider per model (torch.profiler, one process)")
     p.add_argument("--out", default=None,
                    help="result name under benchmarks/results, or a path (default train_<device>)")
+    p.add_argument("--worker", nargs=3, metavar=("MODEL", "PROVIDER", "STEPS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         print(f"bench_train: --device {device} but CUDA is not available")
         return 2
-    rounds = args.rounds or (4 if args.quick else 15)
+    if args.worker:
+        model_key, label, steps = args.worker
+        out = run_provider(CASES[model_key](), label, providers(quiet=True)[label], int(steps), device)
+        print(_RESULT + json.dumps(out), flush=True)
+        return 0
+    rounds = args.rounds or (4 if args.quick else 10)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    blocks = args.blocks or (1 if args.quick else 2)
     makers = providers()
-    cases = {"bert": bert_case, "resnet": resnet_case}
     rows, all_losses = [], {}
     for key in args.models:
-        case = cases[key]()
-        print(f"{case['name']} on {hardware(device)}: {rounds} rounds after {warmup} warm-up", flush=True)
-        case_rows, losses = run_case(case, makers, rounds, warmup, device)
-        all_losses[case["name"]] = losses
+        name = CASES[key]()["name"]
+        print(f"{name} on {hardware(device)}: {blocks} x {rounds} timed steps per provider after {warmup} warm-up, "
+              "one process per run", flush=True)  # fmt: skip
+        case_rows, losses = run_case(key, makers, rounds, warmup, blocks, device)
+        all_losses[name] = losses
         hf = next((r for r in case_rows if r["provider"] == "HF Accelerate bf16"), None)
         hf = hf or next(r for r in case_rows if r["provider"] == "HF-recipe bf16 (torch)")
         fo = next(r for r in case_rows if r["provider"] == "fastops.accelerate")
@@ -434,10 +474,11 @@ def main() -> int:
         print(f"LOSS MISMATCH: {r['model']} {r['provider']}: last {LOSS_TAIL} losses {r['loss_check']}")
     load = os.getloadavg()
     meta = {"device": device, "hardware": hardware(device), "torch": torch.__version__, "rounds": rounds,
-            "warmup": warmup, "threads": torch.get_num_threads(), "adamw": ADAMW, "loss_tail": LOSS_TAIL,
-            "same_recipe_rtol": SAME_RECIPE_RTOL, "bf16_vs_fp32_rtol": BF16_VS_FP32_RTOL, "losses": all_losses,
-            "loadavg_at_end": load, "argv": sys.argv[1:],
-            "note": "interleaved rounds; the CPU may be shared with other processes (see loadavg_at_end)"}  # fmt: skip
+            "warmup": warmup, "blocks": blocks, "threads": torch.get_num_threads(), "adamw": ADAMW,
+            "loss_tail": LOSS_TAIL, "same_recipe_rtol": SAME_RECIPE_RTOL, "bf16_vs_fp32_rtol": BF16_VS_FP32_RTOL,
+            "losses": all_losses, "loadavg_at_end": load, "argv": sys.argv[1:],
+            "note": "one process per provider and run, runs taking turns; the CPU may be shared with other "
+                    "processes (see loadavg_at_end)"}  # fmt: skip
     name = args.out or f"train_{torch.device(device).type}"
     base = write_results(name, rows, meta)
     plot(rows, base + ".png")
@@ -448,7 +489,7 @@ def main() -> int:
         if os.path.exists(path):
             os.remove(path)
         for key in args.models:
-            profile_case(cases[key](), makers, args.profile, device, path)
+            profile_case(CASES[key](), makers, args.profile, device, path)
     return 1 if bad else 0
 
 

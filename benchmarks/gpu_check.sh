@@ -46,16 +46,17 @@ step build 240 env FASTOPS_CUDA=1 MAX_JOBS=16 python -m pip install --no-build-i
 step info 15 python -m fastops info
 # 75 s: the CUDA tests, Triton kernels compiled for real.
 step tests_cuda 75 python -m pytest -q -m cuda tests
-# 45 s: end to end, BERT-like + ResNet-50, 5 providers x 5 steps each (bf16 autocast on CUDA).
-step bench_train 45 python benchmarks/bench_train.py --quick --device cuda --out "$out/train_cuda"
 # 35 s: AdamW at 1M/16M/100M; the roofline kernels stream 4 GiB each and one is torch.compile'd (~10 s).
 step bench_adamw 35 python benchmarks/bench_adamw.py --device cuda --sizes 1 16 100 --rounds 5 --repeats 10 --out "$out/adamw_cuda"
 # 20 s: unscale kernel and the AMP optimizer phase at 24M params.
 step bench_amp 20 python benchmarks/bench_amp.py --device cuda --rounds 5 --repeats 10 --out "$out/amp_cuda"
 # 25 s: H2D copies of 64 and 256 MiB batches under a matmul step (the CPU part is skipped here).
 step bench_prefetch 25 python benchmarks/bench_prefetch.py --quick --cuda-only --cuda-sizes 64 256 --out "$out/prefetch"
-# 25 s: the demo, plain PyTorch then fastops.accelerate on TinyGPT.
-step demo 25 python -m fastops demo --device cuda --steps 40
+# 50 s: end to end on the BERT-like model (bf16 autocast on CUDA), 5 providers, each in its own process
+# (imports and CUDA start-up, ~5 s each, then 5 steps).
+step bench_train 50 python benchmarks/bench_train.py --quick --device cuda --models bert --out "$out/train_cuda"
+# 20 s: the demo, plain PyTorch then fastops.accelerate on TinyGPT.
+step demo 20 python -m fastops demo --device cuda --steps 40
 echo "total $SECONDS s" >>"$out/summary.txt"
 echo "gpu_check finished with status $status in $SECONDS s; logs and results in $out"
 exit $status
