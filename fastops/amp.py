@@ -224,49 +224,37 @@ class GradScaler(_TorchGradScaler):
 # against either class hold.
 
 
-class CudaGradScaler(GradScaler, _TorchCudaGradScaler):
-    """What ``fastops.patch()`` puts at ``torch.cuda.amp.GradScaler``: fastops.amp.GradScaler("cuda", ...)."""
+def _device_scaler(device: str, torch_base: type) -> type:
+    class DeviceGradScaler(GradScaler, torch_base):
+        @deprecated(
+            f"`torch.{device}.amp.GradScaler(args...)` is deprecated. "
+            f"Please use `torch.amp.GradScaler('{device}', args...)` instead.",
+            category=FutureWarning,
+        )
+        def __init__(
+            self,
+            init_scale: float = 2.0**16,
+            growth_factor: float = 2.0,
+            backoff_factor: float = 0.5,
+            growth_interval: int = 2000,
+            enabled: bool = True,
+        ) -> None:
+            # Past torch's deprecated __init__ (it would warn a second time, at this line) to torch.amp.GradScaler's.
+            super(torch_base, self).__init__(
+                device, init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                growth_interval=growth_interval, enabled=enabled,
+            )  # fmt: skip
 
-    @deprecated(
-        "`torch.cuda.amp.GradScaler(args...)` is deprecated. "
-        "Please use `torch.amp.GradScaler('cuda', args...)` instead.",
-        category=FutureWarning,
+    name = f"{device.capitalize()}GradScaler"
+    DeviceGradScaler.__name__ = DeviceGradScaler.__qualname__ = name  # pickle finds it as fastops.amp.<name>
+    DeviceGradScaler.__doc__ = (
+        f"What ``fastops.patch()`` puts at ``torch.{device}.amp.GradScaler``: fastops.amp.GradScaler(\"{device}\", ...)."
     )
-    def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        enabled: bool = True,
-    ) -> None:
-        # Past torch's deprecated __init__ (it would warn a second time, at this line) to torch.amp.GradScaler's.
-        super(_TorchCudaGradScaler, self).__init__(
-            "cuda", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-            growth_interval=growth_interval, enabled=enabled,
-        )  # fmt: skip
+    return DeviceGradScaler
 
 
-class CpuGradScaler(GradScaler, _TorchCpuGradScaler):
-    """What ``fastops.patch()`` puts at ``torch.cpu.amp.GradScaler``: fastops.amp.GradScaler("cpu", ...)."""
-
-    @deprecated(
-        "`torch.cpu.amp.GradScaler(args...)` is deprecated. "
-        "Please use `torch.amp.GradScaler('cpu', args...)` instead.",
-        category=FutureWarning,
-    )
-    def __init__(
-        self,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        enabled: bool = True,
-    ) -> None:
-        super(_TorchCpuGradScaler, self).__init__(
-            "cpu", init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-            growth_interval=growth_interval, enabled=enabled,
-        )  # fmt: skip
+CudaGradScaler = _device_scaler("cuda", _TorchCudaGradScaler)
+CpuGradScaler = _device_scaler("cpu", _TorchCpuGradScaler)
 
 
 class SkipAwareScheduler:
