@@ -18,6 +18,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   cpp.def("grad_stats", &fastops::cpu::grad_stats, py::arg("grads"), py::arg("inv_scale") = py::none(),
           py::call_guard<py::gil_scoped_release>());
 
+  cpp.def("cpu_cache_enable", &fastops::cpu::cpu_cache_enable, py::arg("limit_bytes"),
+          "Keep freed CPU blocks of 8 MiB and more (at most limit_bytes) for reuse; see csrc/cpu/cache.cpp.");
+  cpp.def("cpu_cache_stats", [] {
+    const fastops::cpu::CacheStats s = fastops::cpu::cpu_cache_stats();
+    return py::dict(py::arg("hits") = s.hits, py::arg("misses") = s.misses, py::arg("released") = s.released,
+                    py::arg("cached_bytes") = s.cached_bytes, py::arg("limit_bytes") = s.limit_bytes);
+  });
+  cpp.def("cpu_cache_empty", &fastops::cpu::cpu_cache_empty, "Give every cached CPU block back to the OS.");
+
 #ifdef WITH_CUDA
   m.attr("WITH_CUDA") = true;
   fastops::cuda::register_bindings(m.def_submodule("cuda", "CUDA kernels (csrc/cuda)"));

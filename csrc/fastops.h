@@ -39,6 +39,20 @@ at::Tensor grad_stats(const std::vector<at::Tensor>& grads, const std::optional<
 // "avx512", "avx2" or "default": the kernel set picked at load time for this CPU.
 const char* capability();
 
+// The caching layer over torch's CPU allocator for blocks of 8 MiB and more (csrc/cpu/cache.cpp).
+struct CacheStats {
+  int64_t hits = 0;      // allocations served from the cache
+  int64_t misses = 0;    // cacheable allocations that had to map a new block
+  int64_t released = 0;  // cached blocks given back to the OS (limit, empty, failed allocation)
+  size_t cached_bytes = 0;
+  size_t limit_bytes = 0;
+};
+// Installs the cache as torch's CPU allocator on the first call (later calls change the limit); returns
+// whether it is the allocator torch now uses.
+bool cpu_cache_enable(int64_t limit_bytes);
+CacheStats cpu_cache_stats();
+void cpu_cache_empty();
+
 }  // namespace cpu
 
 namespace cuda {

@@ -49,12 +49,10 @@ Limits:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import os
 import random
 import secrets
-import sys
 import types
 import warnings
 from typing import Any, Iterable
@@ -152,27 +150,24 @@ def _resolve_device(device: torch.device | str | None, local_rank: int | None) -
 
 
 def _keep_freed_memory() -> bool:
-    """On the CPU, keep freed tensor memory in the process instead of handing it back to the OS. Returns
-    whether glibc took the settings.
+    """On the CPU, keep freed blocks of 8 MiB and more for reuse instead of unmapping them (fastops._C's
+    caching layer over torch's CPU allocator, csrc/cpu/cache.cpp). Returns whether it is in place.
 
-    glibc serves allocations above its mmap threshold (128 KiB, growing to at most 32 MiB) with a fresh
-    mmap and unmaps them on free, so every training step page-faults its large activations back in: a
-    64 MiB fp32 copy of the BERT-like benchmark's logits took 15.3 ms into a fresh buffer against 3.0 ms
-    into a reused one. With mmap off (M_MMAP_MAX = 0) and the top of the heap trimmed only past 2 GiB
-    (M_TRIM_THRESHOLD), that step went from 309 to 244 ms and ResNet-50's from 200 to 186 ms, for 8-16%
-    more resident memory (946 -> 1104 MiB, 832 -> 877 MiB), flat over 40 steps (2-core Xeon, separate
-    processes). It is what PyTorch's CPU tuning guide gets from swapping in jemalloc or tcmalloc, without
-    LD_PRELOAD. Process-wide and kept after training; FASTOPS_KEEP_FREED_MEMORY=0 leaves malloc alone."""
-    if os.environ.get("FASTOPS_KEEP_FREED_MEMORY", "1") == "0" or not sys.platform.startswith("linux"):
+    glibc maps large blocks afresh and unmaps them on free, so each training step page-faults its large
+    activations back in: with the cache the BERT-like benchmark step went from about 300 to 245 ms, for the
+    cached blocks' memory (240 MiB there), at most FASTOPS_CPU_CACHE_MB (default 1024) MiB. Process-wide and
+    kept after training; FASTOPS_KEEP_FREED_MEMORY=0 leaves torch's allocator as it is, and
+    ``fastops._backend._C.cpp.cpu_cache_empty()`` hands the blocks back."""
+    if os.environ.get("FASTOPS_KEEP_FREED_MEMORY", "1") == "0":
         return False
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 - glibc only: musl and others read these numbers differently
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    from ._backend import _C
+
+    if _C is None:  # the reference backend's world: no compiled parts, no cache
         return False
-    m_trim_threshold, m_mmap_max = -1, -4  # glibc's <malloc.h>
-    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
+    limit_mb = int(os.environ.get("FASTOPS_CPU_CACHE_MB", "1024"))
+    if limit_mb < 0:
+        raise ValueError(f"FASTOPS_CPU_CACHE_MB must be >= 0, got {limit_mb}")
+    return bool(_C.cpp.cpu_cache_enable(limit_mb << 20))
 
 
 def _map_tensors(fn, obj):
@@ -309,7 +304,7 @@ class Accelerator:
         compile: torch.compile the model's forward.
         device: default: cuda:LOCAL_RANK under a launcher that sets LOCAL_RANK (torchrun), the current CUDA
             device otherwise, and the CPU without CUDA. "cuda" without an index means the same device. On the
-            CPU, freed tensor memory is then kept in the process (``keeps_freed_memory``; see
+            CPU, freed blocks of 8 MiB and more are then kept for reuse (``keeps_freed_memory``; see
             ``_keep_freed_memory``, FASTOPS_KEEP_FREED_MEMORY=0 to opt out).
 
     ``prepare(*objects)`` takes a model, an optimizer, LR schedulers and loaders (model before optimizer) and
