@@ -35,16 +35,21 @@ def check_dense(t: torch.Tensor, what: str) -> None:
         )
 
 
-def check_like(t: torch.Tensor, ref: torch.Tensor, what: str, ref_what: str, dtype: torch.dtype | None) -> None:
+def check_like(
+    t: torch.Tensor, ref: torch.Tensor, what: str, ref_what: str, dtype: torch.dtype | None,
+    *, prefix: str = "fastops: ", strides: bool = True,
+) -> None:  # fmt: skip
+    """``t`` has ``ref``'s shape, device and dtype (or ``dtype``), and its strides unless ``strides=False``
+    (a caller that copies ``t`` into ``ref``'s layout). ``prefix`` starts each message."""
     if t.shape != ref.shape:
-        raise RuntimeError(f"fastops: {what} has shape {tuple(t.shape)} but {ref_what} has shape {tuple(ref.shape)}")
+        raise RuntimeError(f"{prefix}{what} has shape {tuple(t.shape)} but {ref_what} has shape {tuple(ref.shape)}")
     want = ref.dtype if dtype is None else dtype
     if t.dtype != want:
-        raise RuntimeError(f"fastops: {what} has dtype {t.dtype} but must be {want} (as {ref_what})")
+        raise RuntimeError(f"{prefix}{what} has dtype {t.dtype} but must be {want} (as {ref_what})")
     if t.device != ref.device:
-        raise RuntimeError(f"fastops: {what} is on {t.device} but {ref_what} is on {ref.device}")
-    if t.numel() > 1 and t.stride() != ref.stride():
-        raise RuntimeError(f"fastops: {what} has strides {t.stride()} but {ref_what} has strides {ref.stride()}")
+        raise RuntimeError(f"{prefix}{what} is on {t.device} but {ref_what} is on {ref.device}")
+    if strides and t.numel() > 1 and t.stride() != ref.stride():
+        raise RuntimeError(f"{prefix}{what} has strides {t.stride()} but {ref_what} has strides {ref.stride()}")
 
 
 def check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad) -> None:

@@ -571,10 +571,7 @@ class Accelerator:
         name = f"fastops.optim.{cls.__name__}"
         try:
             for group in opt.param_groups:
-                for i, p in enumerate(group["params"]):
-                    optim._check_param(p, i, name)
-                if len({p.device for p in group["params"]}) > 1:
-                    return
+                optim._check_group_params(group["params"], name)
             optim._check_no_overlap([p for g in opt.param_groups for p in g["params"]], name)
         except ValueError:
             return

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from . import _ops, amp
-from ._checks import is_dense
+from ._checks import check_like, is_dense
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Group keys that torch's Adam does not have; a torch state_dict loaded into fastops keeps the current value.
@@ -52,6 +52,17 @@ def _check_param(p: Tensor, i: int, cls: str) -> None:
         )
 
 
+def _check_group_params(params: list[Tensor], cls: str) -> None:
+    """Every param of one group as the fused kernel takes it: dense, float, all on one device."""
+    for i, p in enumerate(params):
+        _check_param(p, i, cls)
+        if p.device != params[0].device:
+            raise ValueError(
+                f"{cls}: all params of a group must be on one device; param {i} is on {p.device} "
+                f"but param 0 is on {params[0].device}"
+            )
+
+
 def _check_no_overlap(params: list[Tensor], cls: str) -> None:
     spans = []
     for i, p in enumerate(params):
@@ -78,19 +89,6 @@ def _same_bits(a: Tensor, b: Tensor) -> bool:
         return False
     as_int = {2: torch.int16, 4: torch.int32}[a.element_size()]
     return torch.equal(a.view(as_int), b.view(as_int))
-
-
-def _check_grad_like(grad: Tensor, param: Tensor, where: str, i: int) -> None:
-    """The op's checks and wording (fastops._checks.check_like), for a grad about to be copied into its
-    param's layout."""
-    if grad.shape != param.shape:
-        raise RuntimeError(
-            f"{where}grads[{i}] has shape {tuple(grad.shape)} but params[{i}] has shape {tuple(param.shape)}"
-        )
-    if grad.dtype != param.dtype:
-        raise RuntimeError(f"{where}grads[{i}] has dtype {grad.dtype} but must be {param.dtype} (as params[{i}])")
-    if grad.device != param.device:
-        raise RuntimeError(f"{where}grads[{i}] is on {grad.device} but params[{i}] is on {param.device}")
 
 
 # (group key, what torch's constructor calls it). The messages are torch.optim.Adam's constructor's, so a bad
@@ -171,14 +169,7 @@ class _FusedAdamMixin:
             _check_scalars(group, None, read_device=True)
             _checked_betas(group, None)
             cls = f"fastops.optim.{type(self).__name__}"
-            params = group["params"]
-            for i, p in enumerate(params):
-                _check_param(p, i, cls)
-                if p.device != params[0].device:
-                    raise ValueError(
-                        f"{cls}: all params of a group must be on one device; param {i} is on {p.device} "
-                        f"but param 0 is on {params[0].device}"
-                    )
+            _check_group_params(group["params"], cls)
             _check_no_overlap([p for g in self.param_groups for p in g["params"]], cls)
         except ValueError:
             self.param_groups.pop()  # a group that raised is not half-added
@@ -240,7 +231,8 @@ class _FusedAdamMixin:
                 # The kernel walks grad and param memory in lockstep; a grad laid out differently is copied. The copy
                 # would broadcast or cast a grad that no longer matches its param (kept from before p.data was
                 # reassigned), so that is checked first; grads that are not copied are checked by the op itself.
-                _check_grad_like(lg, lp, f"fastops.optim.{type(self).__name__}: in param_groups[{k}], ", i)
+                where = f"fastops.optim.{type(self).__name__}: in param_groups[{k}], "
+                check_like(lg, lp, f"grads[{i}]", f"params[{i}]", None, prefix=where, strides=False)
                 lg = torch.empty_like(lp).copy_(lg)
             state = self.state[p]
             if len(state) == 0:
