@@ -39,6 +39,7 @@ _TorchCpuGradScaler = _torch_original("torch.cpu.amp.grad_scaler", "GradScaler")
 _torch_clip_grad_norm_ = _torch_original("torch.nn.utils.clip_grad", "clip_grad_norm_")
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_NO_INF_CHECKS = "No inf checks were recorded for this optimizer."  # torch's GradScaler.step message
 
 
 def _kernels_take(t: Tensor) -> bool:
@@ -191,20 +192,19 @@ class GradScaler(_TorchGradScaler):
             raise RuntimeError("step() has already been called since the last update().")
         # torch's scaler records no inf check for an optimizer without grads and raises (here, or in update()
         # for fused optimizers); recording a clean step instead would grow the scale where torch's does not.
-        if state["stage"] is OptState.READY:
-            if not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
-                raise AssertionError("No inf checks were recorded for this optimizer.")
-        elif len(state["found_inf_per_device"]) == 0:
-            raise AssertionError("No inf checks were recorded for this optimizer.")
         # A grad_scale the user set on the optimizer is torch's too: multiplied into the scale before unscale_,
         # passed alone after it, and deleted with the scaler's attributes after the step.
         user_scale = getattr(optimizer, "grad_scale", None)
         if state["stage"] is OptState.READY:
+            if not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+                raise AssertionError(_NO_INF_CHECKS)
             # The optimizer divides by the scale inside its step and finds inf/nan in its grad_stats read.
             scale = self._get_scale_async()
             optimizer.grad_scale = scale if user_scale is None else scale * user_scale
             optimizer.found_inf = None
         else:
+            if not state["found_inf_per_device"]:
+                raise AssertionError(_NO_INF_CHECKS)
             # unscale_ already ran (and found inf/nan): the grads are unscaled, the flag is known.
             found = [t.to(self._scale.device, non_blocking=True) for t in state["found_inf_per_device"].values()]
             optimizer.grad_scale, optimizer.found_inf = user_scale, sum(found)
