@@ -196,21 +196,6 @@ class StreamKernels:
                 "skipped": self.skipped}  # fmt: skip
 
 
-def stream_bandwidth(device: str, footprint: int | None = None, rounds: int = 5) -> dict:
-    """``StreamKernels.summary`` of ``rounds`` interleaved samples of every kernel."""
-    kernels = StreamKernels(device, footprint)
-    samples: dict[str, list[float]] = {}
-    for _ in range(rounds):
-        kernels.sample(samples)
-    return kernels.summary(samples)
-
-
-def copy_bandwidth_gbs(device: str, nbytes: int | None = None) -> float:
-    """``dst.copy_(src)`` bandwidth at STREAM's count (bytes read + bytes written); see ``stream_bandwidth``
-    for why this alone is not the roofline."""
-    return stream_bandwidth(device, nbytes)["copy_gbs"]
-
-
 def result_base(name: str) -> str:
     """``name`` under benchmarks/results, or as given when it contains a directory (gpu_check.sh writes
     straight into its output folder)."""
