@@ -126,7 +126,7 @@ def _device(text: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=_positive_int, default=40,
-                   help="training steps per run (40: about 35 s in all on 2 CPU cores)")  # fmt: skip
+                   help="training steps per run (40: about 20 s in all on 2 CPU cores)")  # fmt: skip
     p.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                    help="precision of the fastops run (auto: bf16 where the device has it natively)")  # fmt: skip
