@@ -80,6 +80,31 @@ def check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state
             raise RuntimeError(f"fastops.adam_step_: state_steps[{i}] must be a float32 tensor with one element")
 
 
+def check_sgd_args(params, grads, momentum_buffers, master_params, momentum) -> None:
+    n = len(params)
+    lists = {"grads": grads}
+    if momentum != 0:
+        lists["momentum_buffers"] = momentum_buffers
+    elif len(momentum_buffers):
+        raise RuntimeError("fastops.sgd_step_: momentum_buffers must be empty when momentum=0")
+    if len(master_params):
+        lists["master_params"] = master_params
+    for name, lst in lists.items():
+        if len(lst) != n:
+            raise RuntimeError(f"fastops.sgd_step_: expected {n} {name} (one per param), got {len(lst)}")
+    for i, p in enumerate(params):
+        check_dense(p, f"params[{i}]")
+        if p.dtype not in _FLOAT:
+            raise RuntimeError(f"fastops.sgd_step_: params[{i}] has dtype {p.dtype}; expected float32, bfloat16 or float16")
+        if p.device != params[0].device:
+            raise RuntimeError(f"fastops.sgd_step_: params[{i}] is on {p.device} but params[0] is on {params[0].device}")
+        check_dense(grads[i], f"grads[{i}]")
+        check_like(grads[i], p, f"grads[{i}]", f"params[{i}]", None)
+        for name in ("momentum_buffers", "master_params"):
+            if name in lists:
+                check_like(lists[name][i], p, f"{name}[{i}]", f"params[{i}]", torch.float32)
+
+
 def check_grads(grads, op: str) -> None:
     for i, g in enumerate(grads):
         check_dense(g, f"grads[{i}]")

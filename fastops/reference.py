@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ._checks import check_adam_args, check_found_inf, check_grads, check_scalar
+from ._checks import check_adam_args, check_found_inf, check_grads, check_scalar, check_sgd_args
 
 
 @torch.no_grad()
@@ -57,6 +57,42 @@ def adam_step_(
         else:
             denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
         p.addcdiv_(exp_avg, denom, value=-step_size)
+        if p is not param:
+            param.copy_(p)
+
+
+@torch.no_grad()
+def sgd_step_(
+    params, grads, momentum_buffers, master_params, lr, weight_decay, momentum, dampening, nesterov, maximize,
+    is_first_step, grad_scale, found_inf,
+):  # fmt: skip
+    # For fp32 params: the operations of torch.optim.SGD's for-loop implementation, in its order.
+    check_sgd_args(params, grads, momentum_buffers, master_params, momentum)
+    if not params:
+        return
+    for name, t in (("lr", lr), ("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if t is not None:
+            check_scalar(t, "sgd_step_", name, params[0].device)
+    if found_inf is not None and found_inf.item() != 0:
+        return
+    lr = float(lr.item())
+    for i, param in enumerate(params):
+        p = master_params[i] if master_params else (param if param.dtype == torch.float32 else param.float())
+        grad = grads[i] if grads[i].dtype == torch.float32 else grads[i].float()
+        if grad_scale is not None:
+            grad = grad / grad_scale.to(grad.device)
+        if maximize:
+            grad = -grad
+        if weight_decay != 0:
+            grad = grad.add(p, alpha=weight_decay)
+        if momentum != 0:
+            buf = momentum_buffers[i]
+            if is_first_step:
+                buf.copy_(grad)
+            else:
+                buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+            grad = grad.add(buf, alpha=momentum) if nesterov else buf
+        p.add_(grad, alpha=-lr)
         if p is not param:
             param.copy_(p)
 
