@@ -1,7 +1,7 @@
 """Which implementation serves each op on each device type, chosen once per device type.
 
 ``FASTOPS_BACKEND`` is ``auto`` (default), one backend name for every device, or a per-device list such
-as ``cpu:cpp,cuda:triton``. ``auto`` takes the fastest backend that loads and falls back to the
+as ``cpu:cpp,cuda:triton`` (a device type left out gets ``auto``; an unknown or repeated one raises). ``auto`` takes the fastest backend that loads and falls back to the
 reference with one warning that gives the reason; a backend named explicitly raises instead.
 """
 
@@ -37,15 +37,56 @@ class BackendUnavailable(RuntimeError):
 
 
 def requested(device_type: str) -> str:
-    spec = os.environ.get("FASTOPS_BACKEND", "auto").strip().lower() or "auto"
-    if ":" not in spec:
-        name = spec
-    else:
-        entries = dict(e.split(":", 1) for e in spec.split(",") if e)
-        name = entries.get(device_type, "auto")
-    if name != "auto" and name not in BACKENDS:
-        raise ValueError(f"FASTOPS_BACKEND={spec!r}: unknown backend {name!r}; expected auto or one of {BACKENDS}")
-    return name
+    """The backend FASTOPS_BACKEND asks for on ``device_type`` ("auto" where it names none).
+
+    The whole variable is checked on every call, not only the part for ``device_type``, so a typo in the
+    entry of a device not in use yet (``gpu:cpp``, ``cuda:tirton``) raises at the first op, not later."""
+    spec = os.environ.get("FASTOPS_BACKEND", "")
+    entries = _parse_backend_spec(spec)
+    return entries.get(device_type, entries.get("*", "auto"))
+
+
+def _parse_backend_spec(spec: str) -> dict[str, str]:
+    """Device type (or "*" for all of them) -> backend name.
+
+    Case and spaces around names are ignored ("cpu: cpp, cuda: triton" reads as written), and so are empty
+    items, which name nothing: a list assembled in a shell script (``cpu:cpp,$EXTRA``) may leave them."""
+
+    def bad(problem: str) -> ValueError:
+        return ValueError(f"FASTOPS_BACKEND={spec!r}: {problem}")
+
+    def backend(name: str) -> str:
+        if name not in ("auto", *BACKENDS):
+            raise bad(f"unknown backend {name!r}; expected auto or one of {BACKENDS}")
+        return name
+
+    items = [item.strip() for item in spec.lower().split(",")]
+    items = [item for item in items if item]
+    if not items:
+        return {}
+    if len(items) == 1 and ":" not in items[0]:  # one backend for every device type
+        name = items[0]
+        if name in DEVICE_TYPES and name not in BACKENDS:
+            raise bad(f"{name!r} is a device type, not a backend; write {name}:<backend>")
+        return {"*": backend(name)}
+    entries: dict[str, str] = {}
+    given: dict[str, str] = {}  # device type -> its entry as written, for the error on a repeat
+    for item in items:
+        device, sep, name = (part.strip() for part in item.partition(":"))
+        if not sep:
+            raise bad(f"entry {item!r} is not device:backend (a lone backend name must be the whole value)")
+        if not device:
+            raise bad(f"entry {item!r} names no device type")
+        if device not in DEVICE_TYPES:
+            raise bad(f"unknown device type {device!r} in entry {item!r}; expected one of {DEVICE_TYPES}")
+        if device in given:
+            raise bad(f"device type {device!r} is given twice ({given[device]!r} and {item!r})")
+        if not name:
+            raise bad(f"entry {item!r} names no backend")
+        if backend(name) != "auto" and device not in _SERVES[name]:
+            raise bad(f"backend {name!r} does not run on {device} tensors (entry {item!r})")
+        entries[device], given[device] = name, item
+    return entries
 
 
 def load(name: str, device_type: str) -> ModuleType:
