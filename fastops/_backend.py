@@ -1,8 +1,9 @@
 """Which implementation serves each op on each device type, chosen once per device type.
 
 ``FASTOPS_BACKEND`` is ``auto`` (default), one backend name for every device, or a per-device list such
-as ``cpu:cpp,cuda:triton`` (a device type left out gets ``auto``; an unknown or repeated one raises). ``auto`` takes the fastest backend that loads and falls back to the
-reference with one warning that gives the reason; a backend named explicitly raises instead.
+as ``cpu:cpp,cuda:triton`` (a device type left out gets ``auto``; an unknown or repeated one raises).
+``auto`` takes the fastest backend that loads and falls back to the reference with one warning that gives
+the reason; a backend named explicitly raises instead.
 """
 
 from __future__ import annotations
