@@ -1,4 +1,4 @@
-"""``python -m fastops info`` and ``python -m fastops demo``."""
+"""``python -m fastops info``, ``python -m fastops demo`` and ``python -m fastops compile-check``."""
 
 from __future__ import annotations
 
@@ -48,9 +48,17 @@ def info() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compile-check"]:
+        # Its own parser, and before fastops.kernels is imported, which must happen without TRITON_INTERPRET.
+        from fastops import compile_check
+
+        return compile_check.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m fastops")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="versions, devices and which backend serves each op")
+    sub.add_parser("compile-check", help="compile every kernel for sm_80/sm_90/sm_100 and check registers and spills",
+                   add_help=False)
     demo = sub.add_parser("demo", help="train a small transformer LM with plain PyTorch, then with fastops")
     from fastops import demo as demo_mod
 
