@@ -63,6 +63,7 @@ import torch.nn as nn
 
 from . import amp, optim
 from ._ops import unscale_check_
+from ._tree import forward_attribute, map_tensors
 
 __all__ = ["accelerate", "Accelerator"]
 
@@ -170,18 +171,6 @@ def _keep_freed_memory() -> bool:
     return bool(_C.cpp.cpu_cache_enable(limit_mb << 20))
 
 
-def _map_tensors(fn, obj):
-    from .data import _map_tensors as impl  # the Prefetcher's: same containers, dataclasses, namedtuples
-
-    return impl(fn, obj)
-
-
-def _forward_attribute(obj: Any, inner: str, name: str) -> Any:
-    from .data import _forward_attribute as impl  # the Prefetcher's
-
-    return impl(obj, inner, name)
-
-
 def _blocks(model: nn.Module) -> list[nn.Module]:
     """FSDP2 units: transformer layers (torch's, or ``*Block``/``*Layer`` classes in a ModuleList), else the
     model's children that hold parameters."""
@@ -246,7 +235,7 @@ class _Loader:
         self.epoch = epoch
 
     def __getattr__(self, name: str) -> Any:
-        return _forward_attribute(self, "prefetcher", name)
+        return forward_attribute(self, "prefetcher", name)
 
 
 class _RoundRobin:
@@ -269,7 +258,7 @@ class _RoundRobin:
             self.iterable.set_epoch(epoch)
 
     def __getattr__(self, name: str) -> Any:
-        return _forward_attribute(self, "iterable", name)
+        return forward_attribute(self, "iterable", name)
 
 
 class _Scheduler(amp.SkipAwareScheduler):
@@ -498,7 +487,7 @@ class Accelerator:
                 t.register_hook(_GradFactor(factor, self))
             return t
 
-        out = _map_tensors(fix, out)
+        out = map_tensors(fix, out)
         if not floating and (low or factor is not None) and not self._warned_outputs:
             self._warned_outputs = True
             scaled = ""
@@ -510,8 +499,9 @@ class Accelerator:
                 )
             warnings.warn(
                 f"fastops.accelerate: the model returned a {type(out).__name__} with no floating-point tensor that "
-                "fastops can see (it looks inside tensors, lists, tuples, dicts, namedtuples and dataclasses), so "
-                f"its outputs stay as autocast ({self.precision}) made them{scaled}",
+                "fastops can see (it looks inside lists, tuples, dicts, namedtuples, dataclasses and what torch's "
+                f"pytree knows, such as HF ModelOutput), so its outputs stay as autocast ({self.precision}) made "
+                f"them{scaled}",
                 stacklevel=3,
             )
         return out

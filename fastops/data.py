@@ -29,14 +29,14 @@ drawing from the global generators during the pass would still draw in the backg
 from __future__ import annotations
 
 import collections.abc
-import copy
-import dataclasses
 import queue
 import threading
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+
+from ._tree import forward_attribute, map_tensors
 
 __all__ = ["Prefetcher"]
 
@@ -46,52 +46,9 @@ _POLL_S = 0.1
 _OK, _END, _ERR = 0, 1, 2
 
 
-def _map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
-    """``obj`` with every tensor leaf replaced by ``fn(leaf)``, rebuilt with the same container types."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map_tensors(fn, v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        items = [_map_tensors(fn, v) for v in obj]
-        try:
-            return type(obj)(items)
-        except TypeError:  # a subclass whose constructor takes other arguments
-            return items if isinstance(obj, list) else tuple(items)
-    if isinstance(obj, collections.abc.Mapping):
-        items = {k: _map_tensors(fn, v) for k, v in obj.items()}
-        if isinstance(obj, collections.abc.MutableMapping):
-            # copy.copy keeps the mapping's type and extra state (a defaultdict's factory, say).
-            clone = copy.copy(obj)
-            clone.update(items)
-            return clone
-        try:
-            return type(obj)(items)
-        except TypeError:
-            return items
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        # copy + object.__setattr__ instead of dataclasses.replace: works for frozen dataclasses and does
-        # not run __init__/__post_init__ again.
-        clone = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            object.__setattr__(clone, f.name, _map_tensors(fn, getattr(obj, f.name)))
-        return clone
-    return obj
-
-
-def _forward_attribute(obj: Any, inner: str, name: str) -> Any:
-    """``getattr(obj.<inner>, name)``, for a wrapper's ``__getattr__``. Private and dunder names are not
-    forwarded, nor is anything while ``inner`` is unset (copy and pickle probe an instance before its
-    ``__dict__`` is filled), so those lookups fail as usual instead of recursing."""
-    wrapped = obj.__dict__.get(inner)
-    if name.startswith("_") or wrapped is None:
-        raise AttributeError(f"{type(obj).__name__!r} object has no attribute {name!r}")
-    return getattr(wrapped, name)
-
-
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     found: list[torch.Tensor] = []
-    _map_tensors(found.append, obj)
+    map_tensors(found.append, obj)
     return iter(found)
 
 
@@ -238,7 +195,7 @@ class _Stager:
                     outs.append(out)
                     return out
 
-                batch = _map_tensors(to_device, batch)
+                batch = map_tensors(to_device, batch)
                 # One call each for all leaves: one GIL release and re-acquisition instead of one per tensor.
                 # With another thread spinning in Python, 16 host copies of 4 MiB took 14-195 ms as 16
                 # copy_ calls (up to 5 ms of GIL wait each) and 13-16 ms as one _foreach_copy_, against
@@ -331,8 +288,9 @@ class Prefetcher:
     in the background.
 
     Args:
-        iterable: yields batches: tensors, possibly nested in dicts, lists, tuples, namedtuples and
-            dataclasses. Other leaves pass through unchanged.
+        iterable: yields batches: tensors, possibly nested in dicts, lists, tuples, namedtuples, dataclasses
+            and the containers torch's pytree knows (``fastops._tree.map_tensors``). Other leaves pass through
+            unchanged.
         device: where the batches go. ``None`` means the current CUDA device if CUDA is available, else
             the CPU. On the CPU the batches are passed through as they are (no copies).
         depth: how many batches to keep ready (>= 1).
@@ -448,7 +406,7 @@ class Prefetcher:
         self._stager.release()
 
     def __getattr__(self, name: str) -> Any:
-        return _forward_attribute(self, "iterable", name)
+        return forward_attribute(self, "iterable", name)
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]  # TypeError as the iterable's own when it has none

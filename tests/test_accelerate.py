@@ -220,6 +220,75 @@ def test_nested_outputs_come_back_fp32():
     assert out["extra"][0].dtype == torch.int64 and out["note"] == "kept"
 
 
+def _tiny_bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=100,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return BertForMaskedLM(config)
+
+
+def test_hf_model_output_trains_with_the_loop_unchanged():
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 100, (4, 16), generator=g) for _ in range(10)]
+    # The labels are the inputs: a rule the model learns within these steps, so the losses move.
+    data = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": i.clone()} for i in ids]
+
+    def run(model, opt, loader):
+        losses = []
+        for batch in loader:
+            out = model(**batch)
+            loss = out.loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, out
+
+    ref_model = _tiny_bert()
+    ref_losses, _ = run(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2), data)
+    model = _tiny_bert()
+    model, opt, loader = accelerate(model, torch.optim.AdamW(model.parameters(), lr=1e-2), data, precision="fp32")
+    losses, out = run(model, opt, loader)
+    assert type(out).__name__ == "MaskedLMOutput" and out["logits"] is out.logits
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=0)
+    assert losses[-1] < 0.9 * losses[0], losses
+    # Rounding-level differences of the two AdamW steps grow over 10 steps where Adam divides a near-zero
+    # grad by its near-zero second moment: at most 1.6e-5 here, 0.2% of one step's update (lr = 1e-2).
+    for p, r in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-3, atol=1e-4)
+
+
+def test_hf_cache_in_the_outputs_is_neither_copied_nor_changed():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=16, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    seen = []
+
+    def snapshot(_module, _args, out):  # registered first: runs before fastops' output hook
+        cache = out.past_key_values
+        seen.append((cache, [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)]))
+
+    model.register_forward_hook(snapshot)
+    model, opt, _ = accelerate(model, torch.optim.AdamW(model.parameters()), precision="bf16")
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, labels=ids, use_cache=True)
+    cache, before = seen[0]
+    assert out.past_key_values is cache
+    after = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    assert len(after) == len(before) == 4
+    for a, b in zip(after, before):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)  # not cast to fp32 as the logits are
+    assert out.logits.dtype == torch.float32
+    out.loss.backward()
+    opt.step()
+
+
 def test_fp16_scales_grads_and_skips_steps():
     data = batches(3)
     model, opt = make()

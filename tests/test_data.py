@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 import traceback
+import types
 
 import pytest
 import torch
@@ -84,6 +85,14 @@ class Frozen:
     k: int
 
 
+class Record(dict):
+    """A dict subclass torch's pytree does not know."""
+
+
+class Items(list):
+    pass
+
+
 def test_structure_and_non_tensor_leaves_pass_through():
     a, b, c = torch.randn(2, 3), torch.arange(5), torch.zeros(1)
     batch = {
@@ -94,6 +103,9 @@ def test_structure_and_non_tensor_leaves_pass_through():
         "frozen": Frozen(c, 2),
         "od": collections.OrderedDict(z=a, y=1),
         "dd": collections.defaultdict(list, {"t": b}),
+        "record": Record(x=a, tag="r"),
+        "items": Items([b, Frozen(c, 3)]),
+        "opaque": types.SimpleNamespace(x=a),
     }
     (out,) = list(Prefetcher([batch], device="cpu"))
     assert type(out["pair"]) is Pair and out["pair"].image is a and out["pair"].label == 7
@@ -104,6 +116,9 @@ def test_structure_and_non_tensor_leaves_pass_through():
     assert type(out["frozen"]) is Frozen and out["frozen"].x is c and out["frozen"].k == 2
     assert type(out["od"]) is collections.OrderedDict and list(out["od"]) == ["z", "y"]
     assert type(out["dd"]) is collections.defaultdict and out["dd"]["missing"] == []
+    assert type(out["record"]) is Record and out["record"]["tag"] == "r"
+    assert type(out["items"]) is Items and type(out["items"][1]) is Frozen
+    assert out["opaque"] is batch["opaque"]  # a container fastops does not look into is the same object
 
 
 def test_cpu_makes_no_copies():
