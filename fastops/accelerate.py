@@ -24,6 +24,13 @@ How the loop stays unchanged:
   ``Accelerator.prepare(scheduler)`` makes it advance once per real step (not on micro-steps, not after a
   skipped fp16 step).
 - the loader is sharded across ranks, wrapped in fastops.data.Prefetcher and gets ``set_epoch`` each pass.
+- an AMP script that keeps its own GradScaler (``scaler.scale(loss).backward(); scaler.step(optimizer);
+  scaler.update()``, torch's or fastops') runs unchanged under fp16: that scaler's ``scale()`` of a loss computed
+  from the model's outputs makes it drive that step (its scale, its skip decision, its update), and fastops
+  neither scales the gradient again nor steps its own scaler (``Accelerator._give_way_to``). This needs
+  accumulate=1 (otherwise that ``scale()`` raises) and a scaler that inherits torch's ``scale`` (FSDP's
+  ShardedGradScaler does not: its step raises). A step the user's scaler skips for an optimizer fastops does
+  not fuse never reaches ``optimizer.step()``, so ``Accelerator.step`` does not count it.
 
 Limits:
 - Loss scaling and the 1/k of accumulation reach only gradient that flows through the model's outputs. A loss
@@ -49,12 +56,14 @@ Limits:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import random
 import secrets
 import types
 import warnings
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -74,6 +83,9 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 _FUSABLE = {cls.__bases__[-1]: cls for cls in (optim.AdamW, optim.Adam)}
 _CKPT_VERSION = 2  # 2: one RNG state per rank (1 held rank 0's only)
 _CKPT_READABLE = (1, 2)
+_OUTPUT_MARK = "fastops.accelerate"  # key in the grad_fn metadata of each hooked output: its Accelerator
+_WATCHING: weakref.WeakSet = weakref.WeakSet()  # fp16 Accelerators, told of every other GradScaler's scale()
+_CLOSURE_UNSUPPORTED = "Closure use is not currently supported if GradScaler is enabled."  # torch's message
 
 
 def accelerate(
@@ -195,7 +207,7 @@ class _GradFactor:
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor | None:
         self.acc._grads_scaled = True
-        if self.acc._exact_backward:
+        if self.acc._exact_backward or self.acc._user_scaler is not None:
             return None
         return grad * self.factor.to(grad.device, grad.dtype)
 
@@ -367,6 +379,7 @@ class Accelerator:
         if precision == "fp16":
             self.scaler = (_ShardedScaler if strategy == "fsdp" else amp.GradScaler)(self.device.type)
             self.scaler._lazy_init_scale_growth_tracker(self.device)
+            _watch_user_scalers(self)
 
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -380,6 +393,8 @@ class Accelerator:
         self._via_call = False  # set by the forward pre-hook: forward runs inside model(...), hooks and all
         self._grads_scaled = False  # gradient came through scaled outputs (or backward()) since the last step
         self._exact_backward = False  # inside backward(): the output hooks leave the gradient alone
+        self._hooked = False  # outputs got grad hooks since the last step
+        self._user_scaler = None  # a GradScaler of the user's scaled this step's loss: it drives (_give_way_to)
         self._warned_outputs = False
 
     # ---- prepare ---------------------------------------------------------------------------------------
@@ -485,6 +500,8 @@ class Accelerator:
                 t = t.view_as(t)
             if factor is not None and t.requires_grad:
                 t.register_hook(_GradFactor(factor, self))
+                t.grad_fn.metadata[_OUTPUT_MARK] = self
+                self._hooked = True
             return t
 
         out = map_tensors(fix, out)
@@ -644,6 +661,44 @@ class Accelerator:
         finally:
             self._exact_backward = False
         self._grads_scaled = True
+
+    def _give_way_to(self, scaler: amp._TorchGradScaler, outputs: Any) -> None:
+        """``scaler``, a GradScaler that is not this Accelerator's, is scaling ``outputs``. When they were
+        computed from this model's hooked outputs, that scaler drives loss scaling until the next real step: the
+        output hooks leave the gradient alone (the user's scale is its only one), and ``optimizer.step()``, which
+        that scaler calls with its scale and inf flag set on the optimizer (or after unscaling the grads itself),
+        runs the optimizer's own step without this Accelerator's scaler. It is decided here, before the backward:
+        seen only at the step, the doubly scaled fp16 backward would have overflowed and that step been lost."""
+        if not self._hooked:
+            return
+        tensors: list[torch.Tensor] = []
+        if isinstance(outputs, (torch.Tensor, list, tuple)):  # not a one-pass iterable, which scale() consumes
+            map_tensors(tensors.append, outputs)
+        if not any(self._from_outputs(t) for t in tensors):
+            return
+        if self.accumulate > 1:
+            raise RuntimeError(
+                f"fastops.accelerate: your {type(scaler).__name__} scales a loss from the prepared model, with "
+                f"accumulate={self.accumulate}: its step() and update() at every optimizer.step() call would change "
+                "the scale (and unscale the gradients of optimizers fastops does not fuse) in the middle of an "
+                "accumulation cycle. Use accumulate=1 with your GradScaler, or drop it: precision='fp16' scales the "
+                "loss itself (loss.backward(); optimizer.step())"
+            )
+        self._user_scaler = scaler
+
+    def _from_outputs(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s autograd graph reaches an output hooked since the last step. The walk stops there: a
+        loss computed from the outputs gets there within a few nodes (at once for an HF ``out.loss``)."""
+        stack, seen = [t.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            if node.metadata.get(_OUTPUT_MARK) is self:
+                return True
+            seen.add(node)
+            stack.extend(fn for fn, _ in node.next_functions)
+        return False
 
     def _check_scaled(self, opt: torch.optim.Optimizer) -> None:
         """Before a real step: gradients that all bypassed the scaling would be divided by the loss scale (or
@@ -864,23 +919,64 @@ class Accelerator:
             self._raw = False
 
 
+def _watch_user_scalers(acc: Accelerator) -> None:
+    """Has every ``GradScaler.scale`` call (torch's, its deprecated device classes' and fastops', which all
+    inherit it) first tell the live fp16 Accelerators, so that a user's own scaler can drive loss scaling
+    (``Accelerator._give_way_to``). Installed once per process; a scale call costs a look at each live fp16
+    Accelerator's ``_hooked`` flag, and a walk up the scaled loss's graph while one has hooked outputs."""
+    _WATCHING.add(acc)
+    base = amp._TorchGradScaler
+    if hasattr(base.scale, "_fastops_original"):
+        return
+    original = base.scale
+
+    @functools.wraps(original)
+    def scale(self, outputs):
+        if self._enabled:
+            for watcher in list(_WATCHING):
+                if self is not watcher.scaler:
+                    watcher._give_way_to(self, outputs)
+        return original(self, outputs)
+
+    scale._fastops_original = original
+    base.scale = scale
+
+
 def _step(opt: torch.optim.Optimizer, closure=None):
     """``optimizer.step()`` of a prepared optimizer (bound to the instance)."""
     acc: Accelerator = opt.accelerator
     cls = type(opt)
     if acc._raw:
         return cls.step(opt, closure)
-    if closure is None and (acc.micro_step + 1) % acc.accumulate == 0:
+    driven = acc._user_scaler is not None  # by the user's GradScaler (see Accelerator._give_way_to)
+    fused = isinstance(opt, optim._FusedAdamMixin)
+    if driven and acc.grad_clip is not None and not fused and getattr(opt, "grad_scale", None) is not None:
+        raise RuntimeError(
+            f"fastops.accelerate: grad_clip with your {type(acc._user_scaler).__name__} and a {type(opt).__name__}, "
+            "which unscales inside its step: the gradients are still scaled when fastops clips them. Call "
+            "scaler.unscale_(optimizer) before scaler.step(optimizer)"
+        )
+    if acc.scaler is not None and not driven:
+        if closure is not None:
+            # As torch's GradScaler.step: the closure's backward would run unscaled, after the inf check.
+            raise RuntimeError(_CLOSURE_UNSUPPORTED)
+        if "grad_scale" in opt.__dict__ or "found_inf" in opt.__dict__:
+            raise RuntimeError(
+                "fastops.accelerate: optimizer.step() was called by a GradScaler that is not fastops' (it set "
+                "optimizer.grad_scale), but no scale() of that scaler was seen on a loss computed from the prepared "
+                "model's outputs, so the gradients carry fastops' own loss scale. Scale the loss with that scaler "
+                "(scaler.scale(loss).backward()), or drop it: precision='fp16' scales the loss itself"
+            )
+    if closure is None and not driven and (acc.micro_step + 1) % acc.accumulate == 0:
         acc._check_scaled(opt)  # before anything changes, so a raise leaves the run as it was
     opt._opt_called = True  # for torch's LRScheduler order check
     acc.micro_step += 1
     acc._last_step_real = acc.micro_step % acc.accumulate == 0
     if not acc._last_step_real:
         return None
-    fused = isinstance(opt, optim._FusedAdamMixin)
     acc._raw = True
     try:
-        if acc.scaler is not None:
+        if acc.scaler is not None and not driven:
             if acc.grad_clip is not None and not fused:
                 acc.scaler.unscale_(opt)
                 opt.last_grad_norm = acc._clip(opt)
@@ -895,7 +991,8 @@ def _step(opt: torch.optim.Optimizer, closure=None):
     finally:
         acc._raw = False
     acc.step += 1
-    acc._grads_scaled = False
+    acc._grads_scaled = acc._hooked = False
+    acc._user_scaler = None
     return result
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib
@@ -321,6 +322,99 @@ def test_fp16_scales_grads_and_skips_steps():
     assert scaler.get_scale() == scale / 2
     assert opt.param_groups[0]["lr"] == lr and sched.last_epoch == 0  # the scheduler did not advance
     assert opt.accelerator.step == 2
+
+
+def _amp_loop(model, opt, data, scaler, clip: bool = False):
+    """torch's AMP recipe, as an existing script has it (autocast and its own GradScaler)."""
+    losses, scales, skipped = [], [], []
+    for x, y in data:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if clip:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        before = params(model)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(loss.item())
+        scales.append(scaler.get_scale())
+        skipped.append(all(torch.equal(p, b) for p, b in zip(model.parameters(), before)))
+    return losses, scales, skipped
+
+
+@pytest.mark.parametrize("flavour", ["torch", "patched"])
+@pytest.mark.parametrize("opt_kind", ["adamw", "adamw+unscale_+clip", "sgd"])
+def test_users_own_grad_scaler_drives_fp16(flavour, opt_kind):
+    import fastops
+
+    data = batches(6)
+    x_inf = data[3][0].clone()
+    x_inf[0, 0] = float("inf")  # the fp16 forward overflows: this step is skipped, the scale backs off
+    data[3] = (x_inf, data[3][1])
+    kind, clip = opt_kind.split("+")[0], "clip" in opt_kind
+    with fastops.patched() if flavour == "patched" else contextlib.nullcontext():
+        model, opt = make(opt=kind)
+        ref = _amp_loop(model, opt, data, torch.amp.GradScaler("cpu"), clip)
+        ref_params = params(model)
+
+        model, opt = make(opt=kind)
+        model, opt, _ = accelerate(model, opt, precision="fp16")
+        scaler = torch.amp.GradScaler("cpu")
+        assert isinstance(scaler, fastops.amp.GradScaler) == (flavour == "patched")
+        got = _amp_loop(model, opt, data, scaler, clip)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=0, equal_nan=True)
+    assert got[1] == ref[1] == [65536.0] * 3 + [32768.0] * 3  # the user's scaler decides, once per step
+    assert got[2] == ref[2] == [False] * 3 + [True] + [False] * 2  # the first step is not lost
+    for p, r in zip(model.parameters(), ref_params):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    own = opt.accelerator.scaler
+    assert own.get_scale() == 65536.0 and not own._per_optimizer_states  # fastops' scaler stood aside
+
+
+def test_users_grad_scaler_with_accumulate_raises_before_the_backward():
+    model, opt, _ = accelerate(*make(), precision="fp16", accumulate=2)
+    x, y = batches(1)[0]
+    loss = F.cross_entropy(model(x), y)
+    with pytest.raises(RuntimeError, match="your GradScaler scales a loss .* accumulate=2"):
+        torch.amp.GradScaler("cpu").scale(loss)
+    # A loss not computed from the prepared model is none of fastops' business.
+    other = nn.Linear(6, 3)
+    torch.amp.GradScaler("cpu").scale(other(x).sum()).backward()
+
+
+def test_a_grad_scaler_that_did_not_scale_the_loss_cannot_step():
+    model, opt, _ = accelerate(*make(), precision="fp16")
+    x, y = batches(1)[0]
+    loss = F.cross_entropy(model(x), y)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss.detach())  # not the loss that is backpropagated: fastops' hooks scale that one
+    loss.backward()
+    before = params(model)
+    with pytest.raises(RuntimeError, match="called by a GradScaler that is not fastops'"):
+        scaler.step(opt)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert opt.accelerator.micro_step == 0
+
+
+@pytest.mark.parametrize("grads", [True, False])
+def test_fp16_step_with_a_closure_raises_torchs_message(grads):
+    model, opt, _ = accelerate(*make(), precision="fp16")
+    x, y = batches(1)[0]
+    if grads:
+        F.cross_entropy(model(x), y).backward()
+    called = []
+
+    def closure():
+        called.append(1)
+        return F.cross_entropy(model(x), y)
+
+    before = params(model)
+    with pytest.raises(RuntimeError, match=re.escape("Closure use is not currently supported if GradScaler is enabled.")):
+        opt.step(closure)
+    assert not called and opt.accelerator.micro_step == 0
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 def test_fp16_model_forward_called_directly_is_scaled():
