@@ -254,13 +254,26 @@ class _RoundRobin:
     """Rank r of w takes batches r, r + w, ...; a last incomplete round is dropped, so every rank runs the
     same number of steps (one extra step on one rank would leave the others waiting in its all-reduce)."""
 
+    _fresh_batches = True  # for fastops.data: what it yields is copied where the loader may refill it
+
     def __init__(self, iterable: Iterable, rank: int, world_size: int) -> None:
         self.iterable, self.rank, self.world_size = iterable, rank, world_size
 
     def __iter__(self):
+        from .data import _fresh_batches
+
+        copy = not _fresh_batches(self.iterable)
         it = iter(self.iterable)
-        while len(chunk := list(itertools.islice(it, self.world_size))) == self.world_size:
-            yield chunk[self.rank]
+        while True:
+            mine, n = None, 0
+            for n, batch in enumerate(itertools.islice(it, self.world_size), 1):
+                if n - 1 == self.rank:
+                    # The rest of the round is read before this batch is yielded: a loader that refills one
+                    # buffer would overwrite it meanwhile.
+                    mine = map_tensors(torch.Tensor.clone, batch) if copy else batch
+            if n < self.world_size:
+                return
+            yield mine
 
     def __len__(self) -> int:
         return len(self.iterable) // self.world_size  # type: ignore[arg-type]

@@ -411,7 +411,8 @@ def test_fp16_step_with_a_closure_raises_torchs_message(grads):
         return F.cross_entropy(model(x), y)
 
     before = params(model)
-    with pytest.raises(RuntimeError, match=re.escape("Closure use is not currently supported if GradScaler is enabled.")):
+    torchs = "Closure use is not currently supported if GradScaler is enabled."
+    with pytest.raises(RuntimeError, match=re.escape(torchs)):
         opt.step(closure)
     assert not called and opt.accelerator.micro_step == 0
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
@@ -620,6 +621,33 @@ def test_loader_kinds_and_set_epoch():
     ds = TensorDataset(torch.arange(10.0))
     dl = acc.prepare(DataLoader(ds, batch_size=4))
     assert [b[0].tolist() for b in dl] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def _refilling(n: int, produced: list | None = None):
+    """A loader that refills one buffer for every batch."""
+    buf = torch.zeros(8, 6)
+    for i in range(n):
+        buf.fill_(i)
+        if produced is not None:
+            produced[i].set()
+        yield buf, torch.zeros(8, dtype=torch.long)
+
+
+def test_a_loader_that_refills_one_buffer_gives_the_plain_loops_batches():
+    n = 6
+    produced = [threading.Event() for _ in range(n)]
+    model, opt = make()
+    _, _, loader = accelerate(model, opt, _refilling(n, produced), precision="fp32")
+    seen = []
+    for i, (x, _) in enumerate(loader):
+        if i + 1 < n:
+            assert produced[i + 1].wait(timeout=30)  # the loader has refilled its buffer meanwhile
+        seen.append(x[0, 0].item())
+    assert seen == [float(i) for i in range(n)]
+    # With several ranks, each reads a whole round before it yields its own batch of it.
+    for rank in (0, 1):
+        got = [x[0, 0].item() for x, _ in facc._RoundRobin(_refilling(7), rank, 2)]
+        assert got == [float(i) for i in range(rank, 6, 2)]
 
 
 class _Noisy(Dataset):
