@@ -59,6 +59,7 @@ import contextlib
 import functools
 import itertools
 import os
+import pickle
 import random
 import secrets
 import types
@@ -69,6 +70,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from . import amp, optim
 from ._ops import unscale_check_
@@ -776,9 +778,9 @@ class Accelerator:
             "format": "fsdp" if self.strategy == "fsdp" else "plain",
             "precision": self.precision,
             "model": model_sd,
-            "optimizer": optim_sd,
+            "optimizer": None if optim_sd is None else {**optim_sd, "param_groups": _plain(optim_sd["param_groups"])},
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "schedulers": [s.scheduler.state_dict() for s in self.schedulers],
+            "schedulers": [_plain(s.scheduler.state_dict()) for s in self.schedulers],
             "step": self.step,
             "micro_step": self.micro_step,
             "loader_epochs": [ld.epoch for ld in self.loaders],
@@ -851,6 +853,13 @@ class Accelerator:
         except FileNotFoundError:
             raise
         except Exception as e:
+            if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e):
+                raise RuntimeError(
+                    f"fastops.Accelerator.load: {path} holds a type that torch.load(weights_only=True) refuses to "
+                    "unpickle, not damaged data (Accelerator.save converts numpy values; other types in param groups "
+                    "or scheduler states stay as they are). If you trust the file, allow the type with "
+                    f"torch.serialization.add_safe_globals. torch says: {e}"
+                ) from e
             raise RuntimeError(
                 f"fastops.Accelerator.load: {path} is not a readable checkpoint (truncated or corrupt?): {e}"
             ) from e
@@ -1046,6 +1055,12 @@ def _write_atomic(obj: Any, path: str) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _plain(tree: Any) -> Any:
+    """``tree`` with numpy values (``lr=np.float64(3e-4)`` in a param group, a scheduler's ``base_lrs`` copied
+    from it) as Python numbers and lists, which ``torch.load(weights_only=True)`` reads and numpy's types are not."""
+    return pytree.tree_map(lambda v: v.tolist() if type(v).__module__ == "numpy" and hasattr(v, "tolist") else v, tree)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -832,6 +832,30 @@ def test_checkpoint_truncated_or_mismatched_keeps_last_good(tmp_path, monkeypatc
     acc.load(path)  # the last good one still loads
 
 
+def test_checkpoint_with_numpy_hyperparameters_loads(tmp_path):
+    import fractions
+
+    import numpy as np
+
+    model, opt = make()
+    opt.param_groups[0]["lr"] = np.float64(3e-3)  # from a config file or a sweep
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=np.float32(0.5))  # base_lrs get np.float64
+    acc = Accelerator(precision="fp32")
+    model, opt, sched = acc.prepare(model, opt, sched)
+    loop(model, opt, batches(3), sched)
+    acc.save(tmp_path / "np.pt")
+    lr = opt.param_groups[0]["lr"]
+    acc.load(tmp_path / "np.pt")
+    assert opt.param_groups[0]["lr"] == lr and type(opt.param_groups[0]["lr"]) is float
+    assert sched.scheduler.base_lrs == [3e-3] and sched.scheduler.gamma == 0.5
+
+    opt.param_groups[0]["note"] = fractions.Fraction(1, 3)  # a type weights_only unpickling refuses
+    acc.save(tmp_path / "other.pt")
+    with pytest.raises(RuntimeError, match=r"refuses to unpickle, not damaged data.*add_safe_globals") as e:
+        acc.load(tmp_path / "other.pt")
+    assert "truncated" not in str(e.value)
+
+
 # ---- bad input -----------------------------------------------------------------------------------------
 
 
