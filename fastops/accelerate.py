@@ -61,6 +61,7 @@ import itertools
 import os
 import pickle
 import random
+import re
 import secrets
 import types
 import warnings
@@ -87,6 +88,7 @@ _CKPT_VERSION = 2  # 2: one RNG state per rank (1 held rank 0's only)
 _CKPT_READABLE = (1, 2)
 _OUTPUT_MARK = "fastops.accelerate"  # key in the grad_fn metadata of each hooked output: its Accelerator
 _WATCHING: weakref.WeakSet = weakref.WeakSet()  # fp16 Accelerators, told of every other GradScaler's scale()
+_FLAGS = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
 _CLOSURE_UNSUPPORTED = "Closure use is not currently supported if GradScaler is enabled."  # torch's message
 
 
@@ -145,7 +147,9 @@ def _resolve_device(device: torch.device | str | None, local_rank: int | None) -
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"fastops.accelerate: unknown device {device!r}") from e
-    if dev.type != "cuda":
+    if dev.type not in ("cpu", "cuda"):  # what fastops' kernels and Prefetcher run on; meta holds no data
+        raise ValueError(f"fastops.accelerate: cannot train on device {device!r}; use 'cpu' or 'cuda'")
+    if dev.type == "cpu":
         return dev
     if not torch.cuda.is_available():
         raise ValueError(f"fastops.accelerate: device {device!r} requested but CUDA is not available")
@@ -171,17 +175,24 @@ def _keep_freed_memory() -> bool:
     glibc maps large blocks afresh and unmaps them on free, so each training step page-faults its large
     activations back in: with the cache the BERT-like benchmark step went from about 300 to 245 ms, for the
     cached blocks' memory (240 MiB there), at most FASTOPS_CPU_CACHE_MB (default 1024) MiB. Process-wide and
-    kept after training; FASTOPS_KEEP_FREED_MEMORY=0 leaves torch's allocator as it is, and
+    kept after training; FASTOPS_KEEP_FREED_MEMORY=0 (false, off, no) leaves torch's allocator as it is, and
     ``fastops._backend._C.cpp.cpu_cache_empty()`` hands the blocks back."""
-    if os.environ.get("FASTOPS_KEEP_FREED_MEMORY", "1") == "0":
-        return False
+    raw = os.environ.get("FASTOPS_KEEP_FREED_MEMORY", "1")
+    keep = _FLAGS.get(raw.strip().lower())
+    if keep is None:
+        raise ValueError(f"FASTOPS_KEEP_FREED_MEMORY must be 1, true, on, yes or 0, false, off, no (any case), got {raw!r}")
     from ._backend import _C
 
-    if _C is None:  # the reference backend's world: no compiled parts, no cache
+    if not keep or _C is None:  # _C is None in the reference backend's world: no compiled parts, no cache
         return False
-    limit_mb = int(os.environ.get("FASTOPS_CPU_CACHE_MB", "1024"))
-    if limit_mb < 0:
-        raise ValueError(f"FASTOPS_CPU_CACHE_MB must be >= 0, got {limit_mb}")
+    raw = os.environ.get("FASTOPS_CPU_CACHE_MB", "1024")
+    largest = (2**63 - 1) >> 20  # the C++ side takes the limit in bytes as an int64
+    try:
+        limit_mb = int(raw)
+    except ValueError:
+        limit_mb = -1
+    if not 0 <= limit_mb <= largest:
+        raise ValueError(f"FASTOPS_CPU_CACHE_MB must be a whole number of MiB from 0 to {largest}, got {raw!r}")
     return bool(_C.cpp.cpu_cache_enable(limit_mb << 20))
 
 
@@ -1031,9 +1042,18 @@ def _zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
 
 
 def _write_atomic(obj: Any, path: str) -> None:
-    """torch.save to a temp file next to ``path`` that then replaces it."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f"{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    """torch.save to a temp file next to ``path`` that then replaces it. A symlink at ``path`` is written
+    through, as torch.save does: its target is replaced and the link stays a link."""
+    directory, base = os.path.split(os.path.realpath(path))
+    # Only rank 0 writes and one run's saves follow each other, so a temp file of this target that is there now
+    # was left by a save that was killed (20 kills left 246 MiB of them): removed before it piles up.
+    stale = re.compile(re.escape(base) + r"\.[0-9a-f]{12}\.tmp")
+    for name in os.listdir(directory):
+        if stale.fullmatch(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+    path = os.path.join(directory, base)
+    tmp = os.path.join(directory, f"{base}.{secrets.token_hex(6)}.tmp")
     # Created by os.open with 0o666 so the kernel applies the umask (and a default ACL) as for open(path, "wb");
     # tempfile.mkstemp's 0o600 would make the checkpoint unreadable to the group.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)

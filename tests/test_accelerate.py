@@ -768,6 +768,48 @@ def test_checkpoint_file_mode_and_fsyncs(tmp_path, monkeypatch):
     assert synced == [False, True]  # the file, then its directory after the rename
 
 
+_KILLED_SAVE = """
+import os, signal, sys, torch
+from fastops.accelerate import Accelerator
+from tests.test_accelerate import make
+acc = Accelerator(precision="fp32")
+acc.prepare(*make())
+def dies(obj, f, *a, **k):  # killed halfway through writing the checkpoint
+    f.write(b"x" * 1000)
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+torch.save = dies
+acc.save(sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_checkpoint_save_removes_temp_files_of_killed_saves(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(path)], cwd=ROOT, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    (tmp_path / "other.pt.0123456789ab.tmp").write_bytes(b"another target's")
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt.pt.")]
+    assert len(leftovers) == 1 and leftovers[0].endswith(".tmp") and not path.exists()
+    acc, model, opt, sched = _fresh()
+    acc.save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "other.pt.0123456789ab.tmp"]
+    acc.load(path)
+
+
+def test_checkpoint_saved_through_a_symlink_keeps_the_link(tmp_path):
+    (tmp_path / "runs").mkdir()
+    link = tmp_path / "latest.pt"
+    link.symlink_to(tmp_path / "runs" / "step100.pt")  # dangling until the first save, as torch.save allows
+    acc, model, opt, sched = _fresh()
+    for _ in range(2):
+        acc.save(link)
+        assert link.is_symlink() and (tmp_path / "runs" / "step100.pt").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.pt", "runs"]
+    assert os.listdir(tmp_path / "runs") == ["step100.pt"]
+    acc.load(link)
+
+
 def test_checkpoint_rng_of_another_world_size_or_version(tmp_path):
     path = tmp_path / "ckpt.pt"
     acc, model, opt, sched = _fresh()
@@ -869,11 +911,29 @@ def test_checkpoint_with_numpy_hyperparameters_loads(tmp_path):
         (dict(grad_clip=-1.0), "grad_clip must be > 0"),
         (dict(strategy="ddp"), "strategy='ddp' needs a process group"),
         (dict(strategy="fsdp"), "strategy='fsdp' needs a process group"),
+        (dict(device="meta"), "cannot train on device 'meta'; use 'cpu' or 'cuda'"),
     ],
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         accelerate(*make(), **kwargs)
+
+
+def test_cpu_cache_settings(monkeypatch):
+    for off in ("0", "false", "OFF", "No"):
+        monkeypatch.setenv("FASTOPS_KEEP_FREED_MEMORY", off)
+        assert not facc._keep_freed_memory() and not Accelerator(precision="fp32").keeps_freed_memory
+    for on in ("1", "True", "on", "YES"):
+        monkeypatch.setenv("FASTOPS_KEEP_FREED_MEMORY", on)
+        assert facc._keep_freed_memory()
+    monkeypatch.setenv("FASTOPS_KEEP_FREED_MEMORY", "maybe")
+    with pytest.raises(ValueError, match="FASTOPS_KEEP_FREED_MEMORY must be 1, true, on, yes or 0, false, off, no"):
+        facc._keep_freed_memory()
+    monkeypatch.setenv("FASTOPS_KEEP_FREED_MEMORY", "1")
+    for bad in ("1" + "0" * 20, "1.5", "-1", "lots"):
+        monkeypatch.setenv("FASTOPS_CPU_CACHE_MB", bad)
+        with pytest.raises(ValueError, match=f"FASTOPS_CPU_CACHE_MB must be a whole number of MiB .* got '{bad}'"):
+            facc._keep_freed_memory()
 
 
 def test_fp16_without_autocast_support(monkeypatch):
