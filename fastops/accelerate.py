@@ -180,7 +180,9 @@ def _keep_freed_memory() -> bool:
     raw = os.environ.get("FASTOPS_KEEP_FREED_MEMORY", "1")
     keep = _FLAGS.get(raw.strip().lower())
     if keep is None:
-        raise ValueError(f"FASTOPS_KEEP_FREED_MEMORY must be 1, true, on, yes or 0, false, off, no (any case), got {raw!r}")
+        raise ValueError(
+            f"FASTOPS_KEEP_FREED_MEMORY must be 1, true, on, yes or 0, false, off, no (any case), got {raw!r}"
+        )
     from ._backend import _C
 
     if not keep or _C is None:  # _C is None in the reference backend's world: no compiled parts, no cache
@@ -1080,7 +1082,11 @@ def _write_atomic(obj: Any, path: str) -> None:
 def _plain(tree: Any) -> Any:
     """``tree`` with numpy values (``lr=np.float64(3e-4)`` in a param group, a scheduler's ``base_lrs`` copied
     from it) as Python numbers and lists, which ``torch.load(weights_only=True)`` reads and numpy's types are not."""
-    return pytree.tree_map(lambda v: v.tolist() if type(v).__module__ == "numpy" and hasattr(v, "tolist") else v, tree)
+
+    def plain(v: Any) -> Any:
+        return v.tolist() if type(v).__module__ == "numpy" and hasattr(v, "tolist") else v  # not np.dtype
+
+    return pytree.tree_map(plain, tree)
 
 
 def _rng_state() -> dict[str, Any]:

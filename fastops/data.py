@@ -22,10 +22,11 @@ loader, unless the loader is a ``DataLoader`` whose batches are new tensors (``_
 processes, or the default collate_fn); ``background=False`` never runs ahead and copies nothing on the CPU. On
 CUDA the same rule sends host tensors that were pinned already through the staging pool as well (the
 asynchronous copy would read them after the loader resumed) and copies tensors already on the device. The cost
-is one more write and read of each batch, in the worker: measured on the 2-core development machine with a 1-thread
-step of 17-20 ms, +0.4 ms per step at 1 MiB per batch, +3 ms at 16 MiB and +20 ms at 64 MiB (where the copy
-outlasts the step) with fastops' CPU block cache, which ``fastops.accelerate`` installs and which hands the
-freed blocks of earlier copies back; without it each copy also page-faults fresh memory in: +2, +12 and +129 ms.
+is one more write and read of each batch, in the worker. On the shared 2-core development machine, with a
+1-thread step of 17-28 ms, two runs gave: at 1 MiB per batch nothing above the noise (+-5 ms); at 16 MiB +3 to
++12 ms per step; at 64 MiB, where the copy outlasts the step, +20 to +23 ms with fastops' CPU block cache (which
+``fastops.accelerate`` installs: it hands the freed blocks of earlier copies back) and +130 ms without it, where
+each copy also page-faults fresh memory in.
 
 Random numbers: torch's default generator, ``random`` and ``numpy.random`` are process-wide, with no
 per-thread state to give the worker. A loader that draws from them in this process (a dataset with random

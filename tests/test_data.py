@@ -130,7 +130,8 @@ def test_cpu_copies_only_what_the_loader_may_still_own():
     # DataLoaders whose batches are new tensors: worker processes, or the default collate_fn.
     ds = TensorDataset(torch.arange(8.0))
     assert not Prefetcher(DataLoader(ds, batch_size=2), device="cpu")._stager.copy
-    assert not Prefetcher(DataLoader(ds, batch_size=2, num_workers=1, collate_fn=lambda b: b), device="cpu")._stager.copy
+    workers = DataLoader(ds, batch_size=2, num_workers=1, collate_fn=lambda b: b)
+    assert not Prefetcher(workers, device="cpu")._stager.copy
     assert Prefetcher(DataLoader(ds, batch_size=2, collate_fn=lambda b: b), device="cpu")._stager.copy
     assert Prefetcher(DataLoader(ds, batch_size=None), device="cpu")._stager.copy  # samples as the dataset has them
 
