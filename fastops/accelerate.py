@@ -791,7 +791,7 @@ class Accelerator:
             "format": "fsdp" if self.strategy == "fsdp" else "plain",
             "precision": self.precision,
             "model": model_sd,
-            "optimizer": None if optim_sd is None else {**optim_sd, "param_groups": _plain(optim_sd["param_groups"])},
+            "optimizer": _plain(optim_sd),  # empty on FSDP ranks other than 0
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "schedulers": [_plain(s.scheduler.state_dict()) for s in self.schedulers],
             "step": self.step,
@@ -1081,7 +1081,8 @@ def _write_atomic(obj: Any, path: str) -> None:
 
 def _plain(tree: Any) -> Any:
     """``tree`` with numpy values (``lr=np.float64(3e-4)`` in a param group, a scheduler's ``base_lrs`` copied
-    from it) as Python numbers and lists, which ``torch.load(weights_only=True)`` reads and numpy's types are not."""
+    from it) as Python numbers and lists, which ``torch.load(weights_only=True)`` reads and numpy's types are not.
+    Not for a model's state_dict: rebuilt, its OrderedDict would lose the ``_metadata`` that module versions use."""
 
     def plain(v: Any) -> Any:
         return v.tolist() if type(v).__module__ == "numpy" and hasattr(v, "tolist") else v  # not np.dtype
