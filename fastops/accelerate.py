@@ -24,6 +24,13 @@ How the loop stays unchanged:
   ``Accelerator.prepare(scheduler)`` makes it advance once per real step (not on micro-steps, not after a
   skipped fp16 step).
 - the loader is sharded across ranks, wrapped in fastops.data.Prefetcher and gets ``set_epoch`` each pass.
+- an AMP script that keeps its own GradScaler (``scaler.scale(loss).backward(); scaler.step(optimizer);
+  scaler.update()``, torch's or fastops') runs unchanged under fp16: that scaler's ``scale()`` of a loss computed
+  from the model's outputs makes it drive that step (its scale, its skip decision, its update), and fastops
+  neither scales the gradient again nor steps its own scaler (``Accelerator._give_way_to``). This needs
+  accumulate=1 (otherwise that ``scale()`` raises) and a scaler that inherits torch's ``scale`` (FSDP's
+  ShardedGradScaler does not: its step raises). A step the user's scaler skips for an optimizer fastops does
+  not fuse never reaches ``optimizer.step()``, so ``Accelerator.step`` does not count it.
 
 Limits:
 - Loss scaling and the 1/k of accumulation reach only gradient that flows through the model's outputs. A loss
@@ -49,20 +56,26 @@ Limits:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
+import pickle
 import random
+import re
 import secrets
 import types
 import warnings
+import weakref
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from . import amp, optim
 from ._ops import unscale_check_
+from ._tree import forward_attribute, map_tensors
 
 __all__ = ["accelerate", "Accelerator"]
 
@@ -73,6 +86,10 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 _FUSABLE = {cls.__bases__[-1]: cls for cls in (optim.AdamW, optim.Adam)}
 _CKPT_VERSION = 2  # 2: one RNG state per rank (1 held rank 0's only)
 _CKPT_READABLE = (1, 2)
+_OUTPUT_MARK = "fastops.accelerate"  # key in the grad_fn metadata of each hooked output: its Accelerator
+_WATCHING: weakref.WeakSet = weakref.WeakSet()  # fp16 Accelerators, told of every other GradScaler's scale()
+_FLAGS = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
+_CLOSURE_UNSUPPORTED = "Closure use is not currently supported if GradScaler is enabled."  # torch's message
 
 
 def accelerate(
@@ -130,7 +147,9 @@ def _resolve_device(device: torch.device | str | None, local_rank: int | None) -
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"fastops.accelerate: unknown device {device!r}") from e
-    if dev.type != "cuda":
+    if dev.type not in ("cpu", "cuda"):  # what fastops' kernels and Prefetcher run on; meta holds no data
+        raise ValueError(f"fastops.accelerate: cannot train on device {device!r}; use 'cpu' or 'cuda'")
+    if dev.type == "cpu":
         return dev
     if not torch.cuda.is_available():
         raise ValueError(f"fastops.accelerate: device {device!r} requested but CUDA is not available")
@@ -156,30 +175,27 @@ def _keep_freed_memory() -> bool:
     glibc maps large blocks afresh and unmaps them on free, so each training step page-faults its large
     activations back in: with the cache the BERT-like benchmark step went from about 300 to 245 ms, for the
     cached blocks' memory (240 MiB there), at most FASTOPS_CPU_CACHE_MB (default 1024) MiB. Process-wide and
-    kept after training; FASTOPS_KEEP_FREED_MEMORY=0 leaves torch's allocator as it is, and
+    kept after training; FASTOPS_KEEP_FREED_MEMORY=0 (false, off, no) leaves torch's allocator as it is, and
     ``fastops._backend._C.cpp.cpu_cache_empty()`` hands the blocks back."""
-    if os.environ.get("FASTOPS_KEEP_FREED_MEMORY", "1") == "0":
-        return False
+    raw = os.environ.get("FASTOPS_KEEP_FREED_MEMORY", "1")
+    keep = _FLAGS.get(raw.strip().lower())
+    if keep is None:
+        raise ValueError(
+            f"FASTOPS_KEEP_FREED_MEMORY must be 1, true, on, yes or 0, false, off, no (any case), got {raw!r}"
+        )
     from ._backend import _C
 
-    if _C is None:  # the reference backend's world: no compiled parts, no cache
+    if not keep or _C is None:  # _C is None in the reference backend's world: no compiled parts, no cache
         return False
-    limit_mb = int(os.environ.get("FASTOPS_CPU_CACHE_MB", "1024"))
-    if limit_mb < 0:
-        raise ValueError(f"FASTOPS_CPU_CACHE_MB must be >= 0, got {limit_mb}")
+    raw = os.environ.get("FASTOPS_CPU_CACHE_MB", "1024")
+    largest = (2**63 - 1) >> 20  # the C++ side takes the limit in bytes as an int64
+    try:
+        limit_mb = int(raw)
+    except ValueError:
+        limit_mb = -1
+    if not 0 <= limit_mb <= largest:
+        raise ValueError(f"FASTOPS_CPU_CACHE_MB must be a whole number of MiB from 0 to {largest}, got {raw!r}")
     return bool(_C.cpp.cpu_cache_enable(limit_mb << 20))
-
-
-def _map_tensors(fn, obj):
-    from .data import _map_tensors as impl  # the Prefetcher's: same containers, dataclasses, namedtuples
-
-    return impl(fn, obj)
-
-
-def _forward_attribute(obj: Any, inner: str, name: str) -> Any:
-    from .data import _forward_attribute as impl  # the Prefetcher's
-
-    return impl(obj, inner, name)
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -206,7 +222,7 @@ class _GradFactor:
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor | None:
         self.acc._grads_scaled = True
-        if self.acc._exact_backward:
+        if self.acc._exact_backward or self.acc._user_scaler is not None:
             return None
         return grad * self.factor.to(grad.device, grad.dtype)
 
@@ -246,20 +262,33 @@ class _Loader:
         self.epoch = epoch
 
     def __getattr__(self, name: str) -> Any:
-        return _forward_attribute(self, "prefetcher", name)
+        return forward_attribute(self, "prefetcher", name)
 
 
 class _RoundRobin:
     """Rank r of w takes batches r, r + w, ...; a last incomplete round is dropped, so every rank runs the
     same number of steps (one extra step on one rank would leave the others waiting in its all-reduce)."""
 
+    _fresh_batches = True  # for fastops.data: what it yields is copied where the loader may refill it
+
     def __init__(self, iterable: Iterable, rank: int, world_size: int) -> None:
         self.iterable, self.rank, self.world_size = iterable, rank, world_size
 
     def __iter__(self):
+        from .data import _fresh_batches
+
+        copy = not _fresh_batches(self.iterable)
         it = iter(self.iterable)
-        while len(chunk := list(itertools.islice(it, self.world_size))) == self.world_size:
-            yield chunk[self.rank]
+        while True:
+            mine, n = None, 0
+            for n, batch in enumerate(itertools.islice(it, self.world_size), 1):
+                if n - 1 == self.rank:
+                    # The rest of the round is read before this batch is yielded: a loader that refills one
+                    # buffer would overwrite it meanwhile.
+                    mine = map_tensors(torch.Tensor.clone, batch) if copy else batch
+            if n < self.world_size:
+                return
+            yield mine
 
     def __len__(self) -> int:
         return len(self.iterable) // self.world_size  # type: ignore[arg-type]
@@ -269,7 +298,7 @@ class _RoundRobin:
             self.iterable.set_epoch(epoch)
 
     def __getattr__(self, name: str) -> Any:
-        return _forward_attribute(self, "iterable", name)
+        return forward_attribute(self, "iterable", name)
 
 
 class _Scheduler(amp.SkipAwareScheduler):
@@ -378,6 +407,7 @@ class Accelerator:
         if precision == "fp16":
             self.scaler = (_ShardedScaler if strategy == "fsdp" else amp.GradScaler)(self.device.type)
             self.scaler._lazy_init_scale_growth_tracker(self.device)
+            _watch_user_scalers(self)
 
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -391,6 +421,8 @@ class Accelerator:
         self._via_call = False  # set by the forward pre-hook: forward runs inside model(...), hooks and all
         self._grads_scaled = False  # gradient came through scaled outputs (or backward()) since the last step
         self._exact_backward = False  # inside backward(): the output hooks leave the gradient alone
+        self._hooked = False  # outputs got grad hooks since the last step
+        self._user_scaler = None  # a GradScaler of the user's scaled this step's loss: it drives (_give_way_to)
         self._warned_outputs = False
 
     # ---- prepare ---------------------------------------------------------------------------------------
@@ -496,9 +528,11 @@ class Accelerator:
                 t = t.view_as(t)
             if factor is not None and t.requires_grad:
                 t.register_hook(_GradFactor(factor, self))
+                t.grad_fn.metadata[_OUTPUT_MARK] = self
+                self._hooked = True
             return t
 
-        out = _map_tensors(fix, out)
+        out = map_tensors(fix, out)
         if not floating and (low or factor is not None) and not self._warned_outputs:
             self._warned_outputs = True
             scaled = ""
@@ -510,8 +544,9 @@ class Accelerator:
                 )
             warnings.warn(
                 f"fastops.accelerate: the model returned a {type(out).__name__} with no floating-point tensor that "
-                "fastops can see (it looks inside tensors, lists, tuples, dicts, namedtuples and dataclasses), so "
-                f"its outputs stay as autocast ({self.precision}) made them{scaled}",
+                "fastops can see (it looks inside lists, tuples, dicts, namedtuples, dataclasses and what torch's "
+                f"pytree knows, such as HF ModelOutput), so its outputs stay as autocast ({self.precision}) made "
+                f"them{scaled}",
                 stacklevel=3,
             )
         return out
@@ -655,6 +690,44 @@ class Accelerator:
             self._exact_backward = False
         self._grads_scaled = True
 
+    def _give_way_to(self, scaler: amp._TorchGradScaler, outputs: Any) -> None:
+        """``scaler``, a GradScaler that is not this Accelerator's, is scaling ``outputs``. When they were
+        computed from this model's hooked outputs, that scaler drives loss scaling until the next real step: the
+        output hooks leave the gradient alone (the user's scale is its only one), and ``optimizer.step()``, which
+        that scaler calls with its scale and inf flag set on the optimizer (or after unscaling the grads itself),
+        runs the optimizer's own step without this Accelerator's scaler. It is decided here, before the backward:
+        seen only at the step, the doubly scaled fp16 backward would have overflowed and that step been lost."""
+        if not self._hooked:
+            return
+        tensors: list[torch.Tensor] = []
+        if isinstance(outputs, (torch.Tensor, list, tuple)):  # not a one-pass iterable, which scale() consumes
+            map_tensors(tensors.append, outputs)
+        if not any(self._from_outputs(t) for t in tensors):
+            return
+        if self.accumulate > 1:
+            raise RuntimeError(
+                f"fastops.accelerate: your {type(scaler).__name__} scales a loss from the prepared model, with "
+                f"accumulate={self.accumulate}: its step() and update() at every optimizer.step() call would change "
+                "the scale (and unscale the gradients of optimizers fastops does not fuse) in the middle of an "
+                "accumulation cycle. Use accumulate=1 with your GradScaler, or drop it: precision='fp16' scales the "
+                "loss itself (loss.backward(); optimizer.step())"
+            )
+        self._user_scaler = scaler
+
+    def _from_outputs(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s autograd graph reaches an output hooked since the last step. The walk stops there: a
+        loss computed from the outputs gets there within a few nodes (at once for an HF ``out.loss``)."""
+        stack, seen = [t.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            if node.metadata.get(_OUTPUT_MARK) is self:
+                return True
+            seen.add(node)
+            stack.extend(fn for fn, _ in node.next_functions)
+        return False
+
     def _check_scaled(self, opt: torch.optim.Optimizer) -> None:
         """Before a real step: gradients that all bypassed the scaling would be divided by the loss scale (or
         summed over k micro-batches) without having been multiplied by it, which must not train silently."""
@@ -718,9 +791,9 @@ class Accelerator:
             "format": "fsdp" if self.strategy == "fsdp" else "plain",
             "precision": self.precision,
             "model": model_sd,
-            "optimizer": optim_sd,
+            "optimizer": _plain(optim_sd),  # empty on FSDP ranks other than 0
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "schedulers": [s.scheduler.state_dict() for s in self.schedulers],
+            "schedulers": [_plain(s.scheduler.state_dict()) for s in self.schedulers],
             "step": self.step,
             "micro_step": self.micro_step,
             "loader_epochs": [ld.epoch for ld in self.loaders],
@@ -793,6 +866,13 @@ class Accelerator:
         except FileNotFoundError:
             raise
         except Exception as e:
+            if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e):
+                raise RuntimeError(
+                    f"fastops.Accelerator.load: {path} holds a type that torch.load(weights_only=True) refuses to "
+                    "unpickle, not damaged data (Accelerator.save converts numpy values; other types in param groups "
+                    "or scheduler states stay as they are). If you trust the file, allow the type with "
+                    f"torch.serialization.add_safe_globals. torch says: {e}"
+                ) from e
             raise RuntimeError(
                 f"fastops.Accelerator.load: {path} is not a readable checkpoint (truncated or corrupt?): {e}"
             ) from e
@@ -874,23 +954,64 @@ class Accelerator:
             self._raw = False
 
 
+def _watch_user_scalers(acc: Accelerator) -> None:
+    """Has every ``GradScaler.scale`` call (torch's, its deprecated device classes' and fastops', which all
+    inherit it) first tell the live fp16 Accelerators, so that a user's own scaler can drive loss scaling
+    (``Accelerator._give_way_to``). Installed once per process; a scale call costs a look at each live fp16
+    Accelerator's ``_hooked`` flag, and a walk up the scaled loss's graph while one has hooked outputs."""
+    _WATCHING.add(acc)
+    base = amp._TorchGradScaler
+    if hasattr(base.scale, "_fastops_original"):
+        return
+    original = base.scale
+
+    @functools.wraps(original)
+    def scale(self, outputs):
+        if self._enabled:
+            for watcher in list(_WATCHING):
+                if self is not watcher.scaler:
+                    watcher._give_way_to(self, outputs)
+        return original(self, outputs)
+
+    scale._fastops_original = original
+    base.scale = scale
+
+
 def _step(opt: torch.optim.Optimizer, closure=None):
     """``optimizer.step()`` of a prepared optimizer (bound to the instance)."""
     acc: Accelerator = opt.accelerator
     cls = type(opt)
     if acc._raw:
         return cls.step(opt, closure)
-    if closure is None and (acc.micro_step + 1) % acc.accumulate == 0:
+    driven = acc._user_scaler is not None  # by the user's GradScaler (see Accelerator._give_way_to)
+    fused = isinstance(opt, optim._FusedAdamMixin)
+    if driven and acc.grad_clip is not None and not fused and getattr(opt, "grad_scale", None) is not None:
+        raise RuntimeError(
+            f"fastops.accelerate: grad_clip with your {type(acc._user_scaler).__name__} and a {type(opt).__name__}, "
+            "which unscales inside its step: the gradients are still scaled when fastops clips them. Call "
+            "scaler.unscale_(optimizer) before scaler.step(optimizer)"
+        )
+    if acc.scaler is not None and not driven:
+        if closure is not None:
+            # As torch's GradScaler.step: the closure's backward would run unscaled, after the inf check.
+            raise RuntimeError(_CLOSURE_UNSUPPORTED)
+        if "grad_scale" in opt.__dict__ or "found_inf" in opt.__dict__:
+            raise RuntimeError(
+                "fastops.accelerate: optimizer.step() was called by a GradScaler that is not fastops' (it set "
+                "optimizer.grad_scale), but no scale() of that scaler was seen on a loss computed from the prepared "
+                "model's outputs, so the gradients carry fastops' own loss scale. Scale the loss with that scaler "
+                "(scaler.scale(loss).backward()), or drop it: precision='fp16' scales the loss itself"
+            )
+    if closure is None and not driven and (acc.micro_step + 1) % acc.accumulate == 0:
         acc._check_scaled(opt)  # before anything changes, so a raise leaves the run as it was
     opt._opt_called = True  # for torch's LRScheduler order check
     acc.micro_step += 1
     acc._last_step_real = acc.micro_step % acc.accumulate == 0
     if not acc._last_step_real:
         return None
-    fused = isinstance(opt, optim._FusedAdamMixin)
     acc._raw = True
     try:
-        if acc.scaler is not None:
+        if acc.scaler is not None and not driven:
             if acc.grad_clip is not None and not fused:
                 acc.scaler.unscale_(opt)
                 opt.last_grad_norm = acc._clip(opt)
@@ -905,7 +1026,8 @@ def _step(opt: torch.optim.Optimizer, closure=None):
     finally:
         acc._raw = False
     acc.step += 1
-    acc._grads_scaled = False
+    acc._grads_scaled = acc._hooked = False
+    acc._user_scaler = None
     return result
 
 
@@ -922,9 +1044,18 @@ def _zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
 
 
 def _write_atomic(obj: Any, path: str) -> None:
-    """torch.save to a temp file next to ``path`` that then replaces it."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f"{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    """torch.save to a temp file next to ``path`` that then replaces it. A symlink at ``path`` is written
+    through, as torch.save does: its target is replaced and the link stays a link."""
+    directory, base = os.path.split(os.path.realpath(path))
+    # Only rank 0 writes and one run's saves follow each other, so a temp file of this target that is there now
+    # was left by a save that was killed (20 kills left 246 MiB of them): removed before it piles up.
+    stale = re.compile(re.escape(base) + r"\.[0-9a-f]{12}\.tmp")
+    for name in os.listdir(directory):
+        if stale.fullmatch(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+    path = os.path.join(directory, base)
+    tmp = os.path.join(directory, f"{base}.{secrets.token_hex(6)}.tmp")
     # Created by os.open with 0o666 so the kernel applies the umask (and a default ACL) as for open(path, "wb");
     # tempfile.mkstemp's 0o600 would make the checkpoint unreadable to the group.
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
@@ -946,6 +1077,17 @@ def _write_atomic(obj: Any, path: str) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _plain(tree: Any) -> Any:
+    """``tree`` with numpy values (``lr=np.float64(3e-4)`` in a param group, a scheduler's ``base_lrs`` copied
+    from it) as Python numbers and lists, which ``torch.load(weights_only=True)`` reads and numpy's types are not.
+    Not for a model's state_dict: rebuilt, its OrderedDict would lose the ``_metadata`` that module versions use."""
+
+    def plain(v: Any) -> Any:
+        return v.tolist() if type(v).__module__ == "numpy" and hasattr(v, "tolist") else v  # not np.dtype
+
+    return pytree.tree_map(plain, tree)
 
 
 def _rng_state() -> dict[str, Any]:

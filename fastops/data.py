@@ -11,9 +11,22 @@ allocator cannot hand the memory to a later batch while the step still reads it.
 buffers is one ``torch._foreach_copy_`` per batch, which runs without the GIL (measured in
 ``benchmarks/bench_prefetch.py``), so a C++ copy routine would gain nothing.
 
-On the CPU nothing is copied: the worker only runs the loader (and ``transform``) ahead of the step. That
-pays off when loading releases the GIL (file I/O, decoding in C, torch ops); a loader that is pure Python
-competes with the step for the GIL and gains little.
+On the CPU the worker runs the loader (and ``transform``) ahead of the step. That pays off when loading
+releases the GIL (file I/O, decoding in C, torch ops); a loader that is pure Python competes with the step for
+the GIL and gains little.
+
+Batches the loader may still own are copied. Run ahead, the worker resumes the loader while the step still
+works on the batch before, and a loader that refills one buffer (``buf.fill_(i); yield buf``) would overwrite
+it: the step would see later batches' data. So the worker clones each tensor of a batch before it resumes the
+loader, unless the loader is a ``DataLoader`` whose batches are new tensors (``_fresh_batches``: worker
+processes, or the default collate_fn); ``background=False`` never runs ahead and copies nothing on the CPU. On
+CUDA the same rule sends host tensors that were pinned already through the staging pool as well (the
+asynchronous copy would read them after the loader resumed) and copies tensors already on the device. The cost
+is one more write and read of each batch, in the worker. On the shared 2-core development machine, with a
+1-thread step of 17-28 ms, two runs gave: at 1 MiB per batch nothing above the noise (+-5 ms); at 16 MiB +3 to
++12 ms per step; at 64 MiB, where the copy outlasts the step, +20 to +23 ms with fastops' CPU block cache (which
+``fastops.accelerate`` installs: it hands the freed blocks of earlier copies back) and +130 ms without it, where
+each copy also page-faults fresh memory in.
 
 Random numbers: torch's default generator, ``random`` and ``numpy.random`` are process-wide, with no
 per-thread state to give the worker. A loader that draws from them in this process (a dataset with random
@@ -29,14 +42,14 @@ drawing from the global generators during the pass would still draw in the backg
 from __future__ import annotations
 
 import collections.abc
-import copy
-import dataclasses
 import queue
 import threading
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
+
+from ._tree import forward_attribute, map_tensors
 
 __all__ = ["Prefetcher"]
 
@@ -46,53 +59,26 @@ _POLL_S = 0.1
 _OK, _END, _ERR = 0, 1, 2
 
 
-def _map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
-    """``obj`` with every tensor leaf replaced by ``fn(leaf)``, rebuilt with the same container types."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map_tensors(fn, v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        items = [_map_tensors(fn, v) for v in obj]
-        try:
-            return type(obj)(items)
-        except TypeError:  # a subclass whose constructor takes other arguments
-            return items if isinstance(obj, list) else tuple(items)
-    if isinstance(obj, collections.abc.Mapping):
-        items = {k: _map_tensors(fn, v) for k, v in obj.items()}
-        if isinstance(obj, collections.abc.MutableMapping):
-            # copy.copy keeps the mapping's type and extra state (a defaultdict's factory, say).
-            clone = copy.copy(obj)
-            clone.update(items)
-            return clone
-        try:
-            return type(obj)(items)
-        except TypeError:
-            return items
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        # copy + object.__setattr__ instead of dataclasses.replace: works for frozen dataclasses and does
-        # not run __init__/__post_init__ again.
-        clone = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            object.__setattr__(clone, f.name, _map_tensors(fn, getattr(obj, f.name)))
-        return clone
-    return obj
-
-
-def _forward_attribute(obj: Any, inner: str, name: str) -> Any:
-    """``getattr(obj.<inner>, name)``, for a wrapper's ``__getattr__``. Private and dunder names are not
-    forwarded, nor is anything while ``inner`` is unset (copy and pickle probe an instance before its
-    ``__dict__`` is filled), so those lookups fail as usual instead of recursing."""
-    wrapped = obj.__dict__.get(inner)
-    if name.startswith("_") or wrapped is None:
-        raise AttributeError(f"{type(obj).__name__!r} object has no attribute {name!r}")
-    return getattr(wrapped, name)
-
-
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
     found: list[torch.Tensor] = []
-    _map_tensors(found.append, obj)
+    map_tensors(found.append, obj)
     return iter(found)
+
+
+def _fresh_batches(iterable: Any) -> bool:
+    """Whether each batch of ``iterable`` is made of new tensors that it keeps no hold of, so the worker may run
+    ahead with them uncopied. Known only of what a DataLoader builds: batches from worker processes (they arrive
+    through shared memory; a worker that refilled one would change it in the unwrapped loop too), and
+    default_collate's, which stacks the samples into new tensors. Any other loader may refill, once resumed, a
+    tensor it yielded (``buf.fill_(i); yield buf``), which in the unwrapped loop happens after the step on it.
+    A wrapper that copies for itself says so with ``_fresh_batches = True``."""
+    from torch.utils.data import DataLoader, default_collate
+
+    if getattr(iterable, "_fresh_batches", False):
+        return True
+    if not isinstance(iterable, DataLoader):
+        return False
+    return iterable.num_workers > 0 or (iterable.batch_sampler is not None and iterable.collate_fn is default_collate)
 
 
 def _resolve_device(device: Any) -> torch.device:
@@ -189,10 +175,13 @@ class _Stager:
     thread never keeps the Prefetcher alive.
     """
 
-    def __init__(self, device: torch.device, non_blocking: bool, transform: Callable | None, depth: int):
+    def __init__(
+        self, device: torch.device, non_blocking: bool, transform: Callable | None, depth: int, copy: bool = False
+    ):
         self.device = device
         self.non_blocking = non_blocking
         self.transform = transform
+        self.copy = copy  # the loader may still own (and refill) the tensors it yields: take copies of them
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
@@ -210,6 +199,8 @@ class _Stager:
     def stage(self, batch: Any) -> Any:
         """Worker side: the batch on the device, with the event the consumer must wait on."""
         if not self.cuda:
+            if self.copy:
+                batch = map_tensors(torch.Tensor.clone, batch)
             return batch if self.transform is None else self.transform(batch)
         pool = self.pool  # once: release() may swap in a new pool while this batch is being staged
         with torch.cuda.device(self.device):
@@ -220,16 +211,22 @@ class _Stager:
                 stagings: list[torch.Tensor] = []
                 pinned: list[torch.Tensor] = []  # staging buffers, and host tensors that were pinned already
                 outs: list[torch.Tensor] = []
-                on_device = []
+                on_device: list[torch.Tensor] = []
+                device_copies: list[torch.Tensor] = []
 
                 def to_device(t: torch.Tensor) -> torch.Tensor:
                     if t.device == self.device:
                         on_device.append(t)
-                        return t
+                        if not self.copy:
+                            return t
+                        device_copies.append(torch.empty_like(t))
+                        return device_copies[-1]
                     if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or not t.numel():
                         return t.to(self.device, non_blocking=self.non_blocking)
                     src = t
-                    if not t.is_pinned():
+                    # A pinned tensor the loader may refill goes through the pool too: an asynchronous copy
+                    # straight from it could still be reading it when the loader writes the next batch.
+                    if not t.is_pinned() or self.copy:
                         src = pool.staging(slot, len(pageable), t)
                         pageable.append(t)
                         stagings.append(src)
@@ -238,7 +235,7 @@ class _Stager:
                     outs.append(out)
                     return out
 
-                batch = _map_tensors(to_device, batch)
+                batch = map_tensors(to_device, batch)
                 # One call each for all leaves: one GIL release and re-acquisition instead of one per tensor.
                 # With another thread spinning in Python, 16 host copies of 4 MiB took 14-195 ms as 16
                 # copy_ calls (up to 5 ms of GIL wait each) and 13-16 ms as one _foreach_copy_, against
@@ -249,10 +246,12 @@ class _Stager:
                     # Mixed devices: torch runs this as a loop of copy_ in C++, with non_blocking honoured.
                     torch._foreach_copy_(outs, pinned, non_blocking=self.non_blocking)
                 pool.done(slot, self.stream)
-                if on_device and self.transform is not None:
-                    # The transform reads what the loader wrote on its stream. This also waits for the step's
-                    # queued work, so it is only paid when the loader yields tensors already on the device.
+                if on_device and (self.transform is not None or self.copy):
+                    # The transform or copy reads what the loader wrote on its stream. This also waits for the
+                    # step's queued work, so it is only paid when the loader yields tensors already on the device.
                     self.stream.wait_stream(producer)
+                if device_copies:
+                    torch._foreach_copy_(device_copies, on_device)
                 if self.transform is not None:
                     batch = self.transform(batch)
                 ready = torch.cuda.Event()
@@ -331,8 +330,9 @@ class Prefetcher:
     in the background.
 
     Args:
-        iterable: yields batches: tensors, possibly nested in dicts, lists, tuples, namedtuples and
-            dataclasses. Other leaves pass through unchanged.
+        iterable: yields batches: tensors, possibly nested in dicts, lists, tuples, namedtuples, dataclasses
+            and the containers torch's pytree knows (``fastops._tree.map_tensors``). Other leaves pass through
+            unchanged.
         device: where the batches go. ``None`` means the current CUDA device if CUDA is available, else
             the CPU. On the CPU the batches are passed through as they are (no copies).
         depth: how many batches to keep ready (>= 1).
@@ -374,7 +374,9 @@ class Prefetcher:
         self.device = _resolve_device(device)
         self.depth = depth
         self.background = bool(background)
-        self._stager = _Stager(self.device, non_blocking, transform, depth)
+        # Run ahead, the worker would hand the step tensors that the loader, resumed meanwhile, may refill.
+        copy = not _fresh_batches(iterable) and (self.background or self.device.type == "cuda")
+        self._stager = _Stager(self.device, non_blocking, transform, depth, copy=copy)
         self._worker: tuple[threading.Thread, threading.Event, queue.Queue] | None = None
         self._inline_pass: weakref.ref | None = None
 
@@ -448,7 +450,7 @@ class Prefetcher:
         self._stager.release()
 
     def __getattr__(self, name: str) -> Any:
-        return _forward_attribute(self, "iterable", name)
+        return forward_attribute(self, "iterable", name)
 
     def __len__(self) -> int:
         return len(self.iterable)  # type: ignore[arg-type]  # TypeError as the iterable's own when it has none

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib
@@ -220,6 +221,75 @@ def test_nested_outputs_come_back_fp32():
     assert out["extra"][0].dtype == torch.int64 and out["note"] == "kept"
 
 
+def _tiny_bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=100,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return BertForMaskedLM(config)
+
+
+def test_hf_model_output_trains_with_the_loop_unchanged():
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 100, (4, 16), generator=g) for _ in range(10)]
+    # The labels are the inputs: a rule the model learns within these steps, so the losses move.
+    data = [{"input_ids": i, "attention_mask": torch.ones_like(i), "labels": i.clone()} for i in ids]
+
+    def run(model, opt, loader):
+        losses = []
+        for batch in loader:
+            out = model(**batch)
+            loss = out.loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, out
+
+    ref_model = _tiny_bert()
+    ref_losses, _ = run(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2), data)
+    model = _tiny_bert()
+    model, opt, loader = accelerate(model, torch.optim.AdamW(model.parameters(), lr=1e-2), data, precision="fp32")
+    losses, out = run(model, opt, loader)
+    assert type(out).__name__ == "MaskedLMOutput" and out["logits"] is out.logits
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=0)
+    assert losses[-1] < 0.9 * losses[0], losses
+    # Rounding-level differences of the two AdamW steps grow over 10 steps where Adam divides a near-zero
+    # grad by its near-zero second moment: at most 1.6e-5 here, 0.2% of one step's update (lr = 1e-2).
+    for p, r in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-3, atol=1e-4)
+
+
+def test_hf_cache_in_the_outputs_is_neither_copied_nor_changed():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=16, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    seen = []
+
+    def snapshot(_module, _args, out):  # registered first: runs before fastops' output hook
+        cache = out.past_key_values
+        seen.append((cache, [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)]))
+
+    model.register_forward_hook(snapshot)
+    model, opt, _ = accelerate(model, torch.optim.AdamW(model.parameters()), precision="bf16")
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=ids, labels=ids, use_cache=True)
+    cache, before = seen[0]
+    assert out.past_key_values is cache
+    after = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    assert len(after) == len(before) == 4
+    for a, b in zip(after, before):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)  # not cast to fp32 as the logits are
+    assert out.logits.dtype == torch.float32
+    out.loss.backward()
+    opt.step()
+
+
 def test_fp16_scales_grads_and_skips_steps():
     data = batches(3)
     model, opt = make()
@@ -252,6 +322,100 @@ def test_fp16_scales_grads_and_skips_steps():
     assert scaler.get_scale() == scale / 2
     assert opt.param_groups[0]["lr"] == lr and sched.last_epoch == 0  # the scheduler did not advance
     assert opt.accelerator.step == 2
+
+
+def _amp_loop(model, opt, data, scaler, clip: bool = False):
+    """torch's AMP recipe, as an existing script has it (autocast and its own GradScaler)."""
+    losses, scales, skipped = [], [], []
+    for x, y in data:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if clip:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        before = params(model)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(loss.item())
+        scales.append(scaler.get_scale())
+        skipped.append(all(torch.equal(p, b) for p, b in zip(model.parameters(), before)))
+    return losses, scales, skipped
+
+
+@pytest.mark.parametrize("flavour", ["torch", "patched"])
+@pytest.mark.parametrize("opt_kind", ["adamw", "adamw+unscale_+clip", "sgd"])
+def test_users_own_grad_scaler_drives_fp16(flavour, opt_kind):
+    import fastops
+
+    data = batches(6)
+    x_inf = data[3][0].clone()
+    x_inf[0, 0] = float("inf")  # the fp16 forward overflows: this step is skipped, the scale backs off
+    data[3] = (x_inf, data[3][1])
+    kind, clip = opt_kind.split("+")[0], "clip" in opt_kind
+    with fastops.patched() if flavour == "patched" else contextlib.nullcontext():
+        model, opt = make(opt=kind)
+        ref = _amp_loop(model, opt, data, torch.amp.GradScaler("cpu"), clip)
+        ref_params = params(model)
+
+        model, opt = make(opt=kind)
+        model, opt, _ = accelerate(model, opt, precision="fp16")
+        scaler = torch.amp.GradScaler("cpu")
+        assert isinstance(scaler, fastops.amp.GradScaler) == (flavour == "patched")
+        got = _amp_loop(model, opt, data, scaler, clip)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=0, equal_nan=True)
+    assert got[1] == ref[1] == [65536.0] * 3 + [32768.0] * 3  # the user's scaler decides, once per step
+    assert got[2] == ref[2] == [False] * 3 + [True] + [False] * 2  # the first step is not lost
+    for p, r in zip(model.parameters(), ref_params):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    own = opt.accelerator.scaler
+    assert own.get_scale() == 65536.0 and not own._per_optimizer_states  # fastops' scaler stood aside
+
+
+def test_users_grad_scaler_with_accumulate_raises_before_the_backward():
+    model, opt, _ = accelerate(*make(), precision="fp16", accumulate=2)
+    x, y = batches(1)[0]
+    loss = F.cross_entropy(model(x), y)
+    with pytest.raises(RuntimeError, match="your GradScaler scales a loss .* accumulate=2"):
+        torch.amp.GradScaler("cpu").scale(loss)
+    # A loss not computed from the prepared model is none of fastops' business.
+    other = nn.Linear(6, 3)
+    torch.amp.GradScaler("cpu").scale(other(x).sum()).backward()
+
+
+def test_a_grad_scaler_that_did_not_scale_the_loss_cannot_step():
+    model, opt, _ = accelerate(*make(), precision="fp16")
+    x, y = batches(1)[0]
+    loss = F.cross_entropy(model(x), y)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss.detach())  # not the loss that is backpropagated: fastops' hooks scale that one
+    loss.backward()
+    before = params(model)
+    with pytest.raises(RuntimeError, match="called by a GradScaler that is not fastops'"):
+        scaler.step(opt)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert opt.accelerator.micro_step == 0
+
+
+@pytest.mark.parametrize("grads", [True, False])
+def test_fp16_step_with_a_closure_raises_torchs_message(grads):
+    model, opt, _ = accelerate(*make(), precision="fp16")
+    x, y = batches(1)[0]
+    if grads:
+        F.cross_entropy(model(x), y).backward()
+    called = []
+
+    def closure():
+        called.append(1)
+        return F.cross_entropy(model(x), y)
+
+    before = params(model)
+    torchs = "Closure use is not currently supported if GradScaler is enabled."
+    with pytest.raises(RuntimeError, match=re.escape(torchs)):
+        opt.step(closure)
+    assert not called and opt.accelerator.micro_step == 0
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 def test_fp16_model_forward_called_directly_is_scaled():
@@ -459,6 +623,33 @@ def test_loader_kinds_and_set_epoch():
     assert [b[0].tolist() for b in dl] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
+def _refilling(n: int, produced: list | None = None):
+    """A loader that refills one buffer for every batch."""
+    buf = torch.zeros(8, 6)
+    for i in range(n):
+        buf.fill_(i)
+        if produced is not None:
+            produced[i].set()
+        yield buf, torch.zeros(8, dtype=torch.long)
+
+
+def test_a_loader_that_refills_one_buffer_gives_the_plain_loops_batches():
+    n = 6
+    produced = [threading.Event() for _ in range(n)]
+    model, opt = make()
+    _, _, loader = accelerate(model, opt, _refilling(n, produced), precision="fp32")
+    seen = []
+    for i, (x, _) in enumerate(loader):
+        if i + 1 < n:
+            assert produced[i + 1].wait(timeout=30)  # the loader has refilled its buffer meanwhile
+        seen.append(x[0, 0].item())
+    assert seen == [float(i) for i in range(n)]
+    # With several ranks, each reads a whole round before it yields its own batch of it.
+    for rank in (0, 1):
+        got = [x[0, 0].item() for x, _ in facc._RoundRobin(_refilling(7), rank, 2)]
+        assert got == [float(i) for i in range(rank, 6, 2)]
+
+
 class _Noisy(Dataset):
     """A random augmentation: draws from torch's global generator in __getitem__. Records the loading threads."""
 
@@ -577,6 +768,48 @@ def test_checkpoint_file_mode_and_fsyncs(tmp_path, monkeypatch):
     assert synced == [False, True]  # the file, then its directory after the rename
 
 
+_KILLED_SAVE = """
+import os, signal, sys, torch
+from fastops.accelerate import Accelerator
+from tests.test_accelerate import make
+acc = Accelerator(precision="fp32")
+acc.prepare(*make())
+def dies(obj, f, *a, **k):  # killed halfway through writing the checkpoint
+    f.write(b"x" * 1000)
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+torch.save = dies
+acc.save(sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_checkpoint_save_removes_temp_files_of_killed_saves(tmp_path):
+    path = tmp_path / "ckpt.pt"
+    proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(path)], cwd=ROOT, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    (tmp_path / "other.pt.0123456789ab.tmp").write_bytes(b"another target's")
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt.pt.")]
+    assert len(leftovers) == 1 and leftovers[0].endswith(".tmp") and not path.exists()
+    acc, model, opt, sched = _fresh()
+    acc.save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "other.pt.0123456789ab.tmp"]
+    acc.load(path)
+
+
+def test_checkpoint_saved_through_a_symlink_keeps_the_link(tmp_path):
+    (tmp_path / "runs").mkdir()
+    link = tmp_path / "latest.pt"
+    link.symlink_to(tmp_path / "runs" / "step100.pt")  # dangling until the first save, as torch.save allows
+    acc, model, opt, sched = _fresh()
+    for _ in range(2):
+        acc.save(link)
+        assert link.is_symlink() and (tmp_path / "runs" / "step100.pt").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.pt", "runs"]
+    assert os.listdir(tmp_path / "runs") == ["step100.pt"]
+    acc.load(link)
+
+
 def test_checkpoint_rng_of_another_world_size_or_version(tmp_path):
     path = tmp_path / "ckpt.pt"
     acc, model, opt, sched = _fresh()
@@ -641,6 +874,30 @@ def test_checkpoint_truncated_or_mismatched_keeps_last_good(tmp_path, monkeypatc
     acc.load(path)  # the last good one still loads
 
 
+def test_checkpoint_with_numpy_hyperparameters_loads(tmp_path):
+    import fractions
+
+    import numpy as np
+
+    model, opt = make()
+    opt.param_groups[0]["lr"] = np.float64(3e-3)  # from a config file or a sweep
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=np.float32(0.5))  # base_lrs get np.float64
+    acc = Accelerator(precision="fp32")
+    model, opt, sched = acc.prepare(model, opt, sched)
+    loop(model, opt, batches(3), sched)
+    acc.save(tmp_path / "np.pt")
+    lr = opt.param_groups[0]["lr"]
+    acc.load(tmp_path / "np.pt")
+    assert opt.param_groups[0]["lr"] == lr and type(opt.param_groups[0]["lr"]) is float
+    assert sched.scheduler.base_lrs == [3e-3] and sched.scheduler.gamma == 0.5
+
+    opt.param_groups[0]["note"] = fractions.Fraction(1, 3)  # a type weights_only unpickling refuses
+    acc.save(tmp_path / "other.pt")
+    with pytest.raises(RuntimeError, match=r"refuses to unpickle, not damaged data.*add_safe_globals") as e:
+        acc.load(tmp_path / "other.pt")
+    assert "truncated" not in str(e.value)
+
+
 # ---- bad input -----------------------------------------------------------------------------------------
 
 
@@ -654,11 +911,29 @@ def test_checkpoint_truncated_or_mismatched_keeps_last_good(tmp_path, monkeypatc
         (dict(grad_clip=-1.0), "grad_clip must be > 0"),
         (dict(strategy="ddp"), "strategy='ddp' needs a process group"),
         (dict(strategy="fsdp"), "strategy='fsdp' needs a process group"),
+        (dict(device="meta"), "cannot train on device 'meta'; use 'cpu' or 'cuda'"),
     ],
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         accelerate(*make(), **kwargs)
+
+
+def test_cpu_cache_settings(monkeypatch):
+    for off in ("0", "false", "OFF", "No"):
+        monkeypatch.setenv("FASTOPS_KEEP_FREED_MEMORY", off)
+        assert not facc._keep_freed_memory() and not Accelerator(precision="fp32").keeps_freed_memory
+    for on in ("1", "True", "on", "YES"):
+        monkeypatch.setenv("FASTOPS_KEEP_FREED_MEMORY", on)
+        assert facc._keep_freed_memory()
+    monkeypatch.setenv("FASTOPS_KEEP_FREED_MEMORY", "maybe")
+    with pytest.raises(ValueError, match="FASTOPS_KEEP_FREED_MEMORY must be 1, true, on, yes or 0, false, off, no"):
+        facc._keep_freed_memory()
+    monkeypatch.setenv("FASTOPS_KEEP_FREED_MEMORY", "1")
+    for bad in ("1" + "0" * 20, "1.5", "-1", "lots"):
+        monkeypatch.setenv("FASTOPS_CPU_CACHE_MB", bad)
+        with pytest.raises(ValueError, match=f"FASTOPS_CPU_CACHE_MB must be a whole number of MiB .* got '{bad}'"):
+            facc._keep_freed_memory()
 
 
 def test_fp16_without_autocast_support(monkeypatch):

@@ -15,6 +15,7 @@ import signal
 import threading
 import time
 import traceback
+import types
 
 import pytest
 import torch
@@ -84,6 +85,14 @@ class Frozen:
     k: int
 
 
+class Record(dict):
+    """A dict subclass torch's pytree does not know."""
+
+
+class Items(list):
+    pass
+
+
 def test_structure_and_non_tensor_leaves_pass_through():
     a, b, c = torch.randn(2, 3), torch.arange(5), torch.zeros(1)
     batch = {
@@ -94,8 +103,11 @@ def test_structure_and_non_tensor_leaves_pass_through():
         "frozen": Frozen(c, 2),
         "od": collections.OrderedDict(z=a, y=1),
         "dd": collections.defaultdict(list, {"t": b}),
+        "record": Record(x=a, tag="r"),
+        "items": Items([b, Frozen(c, 3)]),
+        "opaque": types.SimpleNamespace(x=a),
     }
-    (out,) = list(Prefetcher([batch], device="cpu"))
+    (out,) = list(Prefetcher([batch], device="cpu", background=False))  # the path that copies no tensor
     assert type(out["pair"]) is Pair and out["pair"].image is a and out["pair"].label == 7
     assert out["list"][0] is b and out["list"][1:] == ["text", None, 3.5]
     assert type(out["tuple"]) is tuple and out["tuple"][0] is c and out["tuple"][1][0] is a
@@ -104,12 +116,47 @@ def test_structure_and_non_tensor_leaves_pass_through():
     assert type(out["frozen"]) is Frozen and out["frozen"].x is c and out["frozen"].k == 2
     assert type(out["od"]) is collections.OrderedDict and list(out["od"]) == ["z", "y"]
     assert type(out["dd"]) is collections.defaultdict and out["dd"]["missing"] == []
+    assert type(out["record"]) is Record and out["record"]["tag"] == "r"
+    assert type(out["items"]) is Items and type(out["items"][1]) is Frozen
+    assert out["opaque"] is batch["opaque"]  # a container fastops does not look into is the same object
 
 
-def test_cpu_makes_no_copies():
+def test_cpu_copies_only_what_the_loader_may_still_own():
     src = _batches(5)
+    for x, y in zip(src, Prefetcher(src, device="cpu", background=False)):
+        assert y is x  # not run ahead: nothing to copy
     for x, y in zip(src, Prefetcher(src, device="cpu")):
-        assert y is x
+        assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    # DataLoaders whose batches are new tensors: worker processes, or the default collate_fn.
+    ds = TensorDataset(torch.arange(8.0))
+    assert not Prefetcher(DataLoader(ds, batch_size=2), device="cpu")._stager.copy
+    workers = DataLoader(ds, batch_size=2, num_workers=1, collate_fn=lambda b: b)
+    assert not Prefetcher(workers, device="cpu")._stager.copy
+    assert Prefetcher(DataLoader(ds, batch_size=2, collate_fn=lambda b: b), device="cpu")._stager.copy
+    assert Prefetcher(DataLoader(ds, batch_size=None), device="cpu")._stager.copy  # samples as the dataset has them
+
+
+def _refilling_loader(n: int, produced: list[threading.Event]):
+    """Refills one buffer for every batch, as loaders that avoid allocations do."""
+    buf = {"x": torch.zeros(4), "ids": [torch.zeros(2, dtype=torch.long)]}
+    for i in range(n):
+        buf["x"].fill_(i)
+        buf["ids"][0].fill_(i)
+        produced[i].set()
+        yield buf
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_loader_that_refills_one_buffer_gives_the_plain_loops_batches(background):
+    n = 8
+    produced = [threading.Event() for _ in range(n)]
+    seen = []
+    for i, batch in enumerate(Prefetcher(_refilling_loader(n, produced), device="cpu", depth=2, background=background)):
+        if background and i + 1 < n:
+            # The worker has resumed the loader, which refilled its buffer, before the step reads the batch.
+            assert produced[i + 1].wait(timeout=30)
+        seen.append((batch["x"][0].item(), batch["ids"][0][0].item()))
+    assert seen == [(float(i), i) for i in range(n)]
 
 
 @settings(max_examples=25, deadline=None)
