@@ -470,11 +470,11 @@ def test_step_was_skipped_is_a_bool_tensor_without_grads(cpu_backend):
     scaler.step(opt)
     skipped = opt.step_was_skipped
     assert isinstance(skipped, torch.Tensor) and skipped.dtype == torch.bool and skipped.device == model.weight.device
-    assert not skipped and opt.last_grad_norm is None
+    assert not skipped and opt.last_grad_norm.isnan()
 
 
-def test_last_grad_norm_is_this_steps_or_none(cpu_backend):
-    """Set when this step computed the norm (clipping, or a GradScaler's scale handed over); None otherwise,
+def test_last_grad_norm_is_this_steps_or_nan(cpu_backend):
+    """Set when this step computed the norm (clipping, or a GradScaler's scale handed over); nan otherwise,
     never an earlier step's value."""
     params = _model_params(11, (5, 9))
     opt = fastops.optim.AdamW(params, lr=1e-2, max_grad_norm=1.0)
@@ -491,7 +491,7 @@ def test_last_grad_norm_is_this_steps_or_none(cpu_backend):
     opt.param_groups[0]["max_grad_norm"] = None
     feed(1)
     opt.step()
-    assert opt.last_grad_norm is None
+    assert opt.last_grad_norm.isnan()
     want = feed(2, scale=1024.0)
     opt.grad_scale, opt.found_inf = torch.tensor(1024.0), None  # as fastops.amp.GradScaler hands it over
     opt.step()
@@ -499,8 +499,126 @@ def test_last_grad_norm_is_this_steps_or_none(cpu_backend):
     opt.grad_scale, opt.found_inf = None, torch.tensor(0.0)  # after unscale_: the flag is known, no read
     feed(3)
     opt.step()
-    assert opt.last_grad_norm is None and opt.step_was_skipped.dtype == torch.bool
+    assert opt.last_grad_norm.isnan() and opt.step_was_skipped.dtype == torch.bool
     del opt.grad_scale, opt.found_inf
+
+
+@pytest.mark.parametrize("first_compiled", [True, False])
+def test_compiled_step_updates_the_flags(first_compiled):
+    """Attributes assigned inside a torch.compile'd step do not survive it; the flags are tensors made with the
+    optimizer and written in place, so they are this step's also after a compiled first step."""
+    with _backend.use("cpu", "reference"):
+        p = torch.nn.Parameter(torch.zeros(3))
+        o = fastops.optim.AdamW([p], max_grad_norm=100.0)
+        compiled = torch.compile(o.step, backend="aot_eager")
+        for k, value in enumerate((1.0, 10.0, 2.0)):
+            p.grad = torch.full((3,), value)
+            compiled() if first_compiled or k else o.step()
+            torch.testing.assert_close(o.last_grad_norm, torch.tensor(value * 3**0.5))
+            assert not o.step_was_skipped
+
+
+def test_compiled_scaler_step_and_update():
+    """torch.compile(lambda: (scaler.step(o), scaler.update())) with fastops' GradScaler, from the first step,
+    with an inf at step 1: the skip flag, the scale and the params follow the eager run."""
+    runs = []
+    for compiled in (True, False):
+        with _backend.use("cpu", "reference"):
+            p = torch.nn.Parameter(torch.ones(3))
+            o = fastops.optim.AdamW([p], lr=0.1)
+            scaler = fastops.amp.GradScaler("cpu", init_scale=4.0)
+            phase = lambda: (scaler.step(o), scaler.update())  # noqa: E731
+            phase = torch.compile(phase, backend="aot_eager") if compiled else phase
+            flags = []
+            for step in range(3):
+                scaler.scale((p * (float("inf") if step == 1 else 1.0)).sum()).backward()
+                phase()
+                flags.append(bool(o.step_was_skipped))
+                o.zero_grad()
+        runs.append((flags, scaler.get_scale(), p.detach().clone()))
+    assert runs[0][0] == [False, True, False] and runs[0][:2] == runs[1][:2]
+    assert torch.equal(runs[0][2], runs[1][2])
+
+
+def _edits():
+    """In-place edits of a model's params between steps that torch keeps (each under no_grad, as users write them)."""
+    def fill(model, other):
+        model.weight.fill_(5.0)
+
+    def load_state_dict(model, other):
+        model.load_state_dict(other.state_dict())
+
+    def clamp(model, other):  # WGAN's weight clipping
+        for p in model.parameters():
+            p.clamp_(-0.01, 0.01)
+
+    def ema_swap(model, other):  # the EMA weights swapped in, and training goes on from them
+        for p, e in zip(model.parameters(), other.parameters()):
+            tmp = p.detach().clone()
+            p.copy_(e)
+            e.copy_(tmp)
+
+    return [fill, load_state_dict, clamp, ema_swap]
+
+
+@pytest.mark.parametrize("edit", _edits(), ids=lambda f: f.__name__)
+@pytest.mark.parametrize("algo", ["AdamW", "SGD"])
+def test_master_weights_keep_edits_of_the_param(edit, algo):
+    """torch keeps an edit made between steps; with master_weights=True fastops rebuilds the master from the edited
+    param (seen through its version counter), so the next step starts from the edit as torch's does: exactly the
+    step of an optimizer whose master was set to the edited param by hand."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).bfloat16()
+    other = torch.nn.Linear(4, 3).bfloat16()
+    make = lambda m: (fastops.optim.AdamW(m.parameters(), lr=1e-3, master_weights=True) if algo == "AdamW"  # noqa: E731
+                      else fastops.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9, master_weights=True))
+    opt = make(model)
+    with _backend.use("cpu", "reference"):
+        for step in range(3):
+            model.weight.grad = _grads(step, [model.weight])[0]
+            model.bias.grad = _grads(step + 50, [model.bias])[0]
+            opt.step()
+        twin_model = copy.deepcopy(model)
+        twin = make(twin_model)
+        twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+        with torch.no_grad():
+            edit(model, copy.deepcopy(other))
+            edit(twin_model, copy.deepcopy(other))
+        edited = [p.detach().clone() for p in model.parameters()]
+        for p in twin_model.parameters():
+            if not torch.equal(twin.state[p]["master_param"].to(p.dtype), p):  # edited: the rebuild, by hand
+                twin.state[p]["master_param"] = p.detach().float()
+        for m, o in ((model, opt), (twin_model, twin)):
+            m.weight.grad = torch.ones_like(m.weight)
+            m.bias.grad = torch.ones_like(m.bias)
+            o.step()
+    for a, b, e in zip(model.parameters(), twin_model.parameters(), edited):
+        assert torch.equal(a, b)
+        assert (a.float() - e.float()).abs().max() <= 0.05  # a step of lr 1e-3 from the edit, not back to before it
+
+
+def test_master_survives_an_ema_swap_and_back():
+    """Swapping EMA weights in (to evaluate) and back leaves the param's bits as the master rounds: the master is
+    kept, with the bits below bf16 that a rebuild would lose."""
+    torch.manual_seed(0)
+    model, ema = torch.nn.Linear(4, 3).bfloat16(), torch.nn.Linear(4, 3).bfloat16()
+    opt = fastops.optim.AdamW(model.parameters(), lr=1e-3, master_weights=True)
+    with _backend.use("cpu", "reference"):
+        for step in range(2):
+            for p in model.parameters():
+                p.grad = _grads(step, [p])[0]
+            opt.step()
+        masters = [opt.state[p]["master_param"].clone() for p in model.parameters()]
+        swap = _edits()[3]
+        with torch.no_grad():
+            swap(model, ema)
+            swap(model, ema)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.param_groups[0]["lr"] = 0.0
+        opt.step()
+    for p, m in zip(model.parameters(), masters):
+        assert torch.equal(opt.state[p]["master_param"], m)
 
 
 def test_zero_size_and_no_grad_params_are_fine(cpu_backend):
