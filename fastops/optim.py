@@ -18,8 +18,8 @@ Where they differ from torch on purpose (the README lists these too):
 Param groups the kernels do not take run torch's own step, so every script torch runs keeps running after
 ``fastops.patch()``. The choice is per param group and per step: a group goes to torch when it has
 ``differentiable=True``, or any of its params is not float32/bfloat16/float16, is complex, sparse, strided with
-gaps, on a device fastops does not serve, or on another device than the group's first param, or (SGD) has a
-sparse grad at this step. Such a group gets torch's results exactly (torch's code, torch's state layout);
+gaps, on a device fastops does not serve, or on another device than the group's first param, or has a sparse
+grad at this step (torch's SGD takes it; torch's Adam raises its own error). Such a group gets torch's results exactly (torch's code, torch's state layout);
 ``master_weights`` does not apply to it, ``max_grad_norm`` does (its grads count in the norm and are clipped in
 place first, as ``clip_grad_norm_`` would). Under a GradScaler its grads are unscaled in place first, as torch's
 GradScaler does for torch's optimizers, and the skip decision is read on the host (one sync per step, which
@@ -339,6 +339,37 @@ class _Fused:
             found = torch.maximum(found, _to(t, device))
         return found.reshape(())
 
+    def _norm_and_found_inf(self, work, by_torch, grad_scale: Tensor | None, found_inf):
+        """This step's total grad norm (None when nothing needs it) and skip flag (None: no GradScaler). Grads of
+        groups torch's step serves are unscaled in place here (see the module docstring)."""
+        device0 = self.step_was_skipped.device
+        handed = found_inf  # by torch's GradScaler (every grad checked), or after an unscale_ (either scaler)
+        if handed is not None and not isinstance(handed, Tensor):
+            # torch's GradScaler hands over sum([]) == 0 when no param has a grad.
+            handed = found_inf = torch.full((), float(handed), device=device0)
+        torch_grads = [p.grad for g in by_torch for p in g["params"] if p.grad is not None]
+        clipping = any(group["max_grad_norm"] is not None for group in [w[0] for w in work] + by_torch)
+        squares = None
+        if work and (clipping or (grad_scale is not None and handed is None)):
+            # One read of every grad gives the norm and the inf/nan flag; no host sync.
+            # Unscaled inside the read, before squaring: scaled fp32 grads above 1.8e19 would square to inf.
+            inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+            stats = amp.grad_stats([g for _, _, calls in work for call in calls for g in call[1]], inv_scale)
+            if self.reduce_grad_stats is not None:
+                stats = self.reduce_grad_stats(stats)
+            if grad_scale is not None and handed is None:
+                found_inf = stats[2]
+            squares = stats[0]
+        if torch_grads and grad_scale is not None:
+            torch_found = self._unscale_for_torch(by_torch, grad_scale, device0)
+            if handed is None:
+                found_inf = torch_found if found_inf is None else torch.maximum(_to(found_inf, device0), torch_found)
+        if torch_grads and (clipping or squares is not None):
+            # torch's own norm of the grads it serves (float64, complex, sparse), unscaled above.
+            torch_squares = torch.nn.utils.get_total_norm(torch_grads, 2.0).float().square()
+            squares = torch_squares if squares is None else squares + _to(torch_squares, squares.device)
+        return (None if squares is None else squares.sqrt()), found_inf
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -347,7 +378,6 @@ class _Fused:
                 loss = closure()
         # Set by a GradScaler (torch's or fastops') for optimizers with _step_supports_amp_scaling.
         grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
         # Every group is checked before anything changes: a bad value raises with nothing half-updated.
         hypers = [self._check_group(group, k, read_device=False) for k, group in enumerate(self.param_groups)]
         work, by_torch = [], []
@@ -360,36 +390,7 @@ class _Fused:
             calls = self._group_calls(group, k)
             if calls:
                 work.append((group, hypers[k], calls))
-        device0 = self.step_was_skipped.device
-        torch_grads = [p.grad for g in by_torch for p in g["params"] if p.grad is not None]
-        handed = found_inf  # by torch's GradScaler (every grad checked), or after an unscale_ (either scaler)
-        if handed is not None and not isinstance(handed, Tensor):
-            # torch's GradScaler hands over sum([]) == 0 when no param has a grad.
-            handed = found_inf = torch.full((), float(handed), device=device0)
-        torch_found = None
-        if torch_grads and grad_scale is not None:
-            torch_found = self._unscale_for_torch(by_torch, grad_scale, device0)
-        clipping = any(group["max_grad_norm"] is not None for group in [w[0] for w in work] + by_torch)
-        norm = None
-        squares = None
-        if work and (clipping or (grad_scale is not None and handed is None)):
-            # One read of every grad gives the norm and the inf/nan flag; no host sync.
-            # Unscaled inside the read, before squaring: scaled fp32 grads above 1.8e19 would square to inf.
-            inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
-            stats = amp.grad_stats([g for _, _, calls in work for call in calls for g in call[1]], inv_scale)
-            if self.reduce_grad_stats is not None:
-                stats = self.reduce_grad_stats(stats)
-            if grad_scale is not None and handed is None:
-                found_inf = stats[2]
-            squares = stats[0]
-        if handed is None and torch_found is not None:
-            found_inf = torch_found if found_inf is None else torch.maximum(_to(found_inf, device0), torch_found)
-        if torch_grads and (clipping or squares is not None):
-            # torch's own norm of the grads it serves (float64, complex, sparse), unscaled above.
-            torch_squares = torch.nn.utils.get_total_norm(torch_grads, 2.0).float().square()
-            squares = torch_squares if squares is None else squares + _to(torch_squares, squares.device)
-        if squares is not None:
-            norm = squares.sqrt()
+        norm, found_inf = self._norm_and_found_inf(work, by_torch, grad_scale, getattr(self, "found_inf", None))
         if norm is None:
             self.last_grad_norm.fill_(math.nan)
         else:
@@ -397,7 +398,7 @@ class _Fused:
         if found_inf is None:
             self.step_was_skipped.fill_(False)
         else:
-            self.step_was_skipped.copy_(_to(found_inf, device0) != 0)
+            self.step_was_skipped.copy_(_to(found_inf, self.step_was_skipped.device) != 0)
         for group, hyper, calls in work:
             # Every scalar is brought to this group's device: with model parallelism the scaler's scale, the
             # grad norm (first grads' device) and this group's params can sit on three different GPUs.

@@ -735,3 +735,22 @@ def test_dtensor_params_update_their_local_shard(tmp_path):
         torch.testing.assert_close(dparam.full_tensor(), plain.detach(), rtol=1e-5, atol=1e-6)
     finally:
         dist.destroy_process_group()
+
+
+def test_master_without_edits_costs_no_compare(monkeypatch):
+    """The version counter the step leaves is what tells an edit: steps with no edit in between read neither the
+    param nor its master an extra time (the bits are compared once, for a master the optimizer did not write)."""
+    calls = []
+    real = fastops.optim._same_bits
+    monkeypatch.setattr(fastops.optim, "_same_bits", lambda a, b: calls.append(1) or real(a, b))
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = fastops.optim.AdamW([p], lr=1e-3, master_weights=True)
+    with _backend.use("cpu", "reference"):
+        for _ in range(4):
+            p.grad = torch.ones(4, dtype=torch.bfloat16)
+            opt.step()
+        assert calls == []
+        with torch.no_grad():
+            p.add_(1.0)
+        opt.step()
+    assert calls == [1] and (p.float() - 2.0).abs().max() < 0.01  # the edit (1 -> 2) kept

@@ -155,12 +155,17 @@ def test_fuse_converts_in_place_mid_training(algo, dtype):
                 assert type(opt) is getattr(fastops.optim, algo) and opt.param_groups is groups
                 for s in opt.state.values():
                     assert all(v.dtype == torch.float32 for k, v in s.items() if k != "step")
+            if step == 7:  # a skipped step (as a GradScaler hands it over) changes nothing in a fastops step
+                opt.grad_scale, opt.found_inf = torch.tensor(1.0), torch.tensor(1.0)
+                opt.step()
+                del opt.grad_scale, opt.found_inf
+                assert opt.step_was_skipped
             for ps, o, sc in ((mine, opt, sched), (theirs, ref, ref_sched)):
                 for p, g in zip(ps, _grads(step, ps)):
                     p.grad = g
                 o.step()
                 sc.step()
-    assert len(hook_calls) == 10 and opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
+    assert len(hook_calls) == 11 and opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
     if dtype == torch.float32:
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
     else:
