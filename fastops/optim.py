@@ -215,7 +215,8 @@ class _Fused:
 
     @property
     def _torch_class(self) -> type:
-        return type(self).__bases__[-1]
+        """torch's class this one drops in for (also under a user's subclass of a fastops class)."""
+        return next(c for c in type(self).__mro__ if issubclass(c, torch.optim.Optimizer) and not issubclass(c, _Fused))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)  # type: ignore[misc]
@@ -254,7 +255,10 @@ class _Fused:
         """Puts each (param, saved state) of ``self._fastops_loading`` into fastops' layout: fp32 states and
         master, a float32 step on the param's device. Params the kernels do not take keep torch's layout (their
         group runs torch's step). fastops.accelerate and ``fuse_`` call it to convert torch's own state."""
-        for p, saved in self.__dict__.pop("_fastops_loading", []):
+        loading = self.__dict__.pop("_fastops_loading", [])
+        if self.defaults.get("differentiable", False):  # every group runs torch's step
+            return
+        for p, saved in loading:
             if not saved or _why_not(p) is not None:
                 continue
             state = self.state[p]

@@ -670,9 +670,13 @@ def test_patch_unpatch_patched():
     assert torch.optim.AdamW is original_adamw
 
 
-def test_grad_scaler_skips_without_changing_anything(cpu_backend):
-    params = _model_params(6, (5, 9))
-    opt = fastops.optim.AdamW(params, lr=1e-2)
+@pytest.mark.parametrize("make", [lambda ps: fastops.optim.AdamW(ps, lr=1e-2, max_grad_norm=1.0),
+                                  lambda ps: fastops.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.2),
+                                  lambda ps: fastops.optim.SGD(ps, lr=1e-2, momentum=0.9, master_weights=True)],
+                         ids=["AdamW", "SGD", "SGD-master"])  # fmt: skip
+def test_grad_scaler_skips_without_changing_anything(cpu_backend, make):
+    params = _model_params(6, (5, 9), torch.bfloat16)
+    opt = make(params)
     for p, g in zip(params, _grads(0, params)):
         p.grad = g
     opt.step()
@@ -754,3 +758,20 @@ def test_master_without_edits_costs_no_compare(monkeypatch):
             p.add_(1.0)
         opt.step()
     assert calls == [1] and (p.float() - 2.0).abs().max() < 0.01  # the edit (1 -> 2) kept
+
+
+def test_compiled_step_with_master_weights_keeps_an_edit():
+    """The edit check also holds when the step is torch.compile'd (the version record is left to eager steps)."""
+    with _backend.use("cpu", "reference"):
+        ps = [torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16)) for _ in range(2)]
+        opts = [fastops.optim.AdamW([p], lr=1e-3, master_weights=True) for p in ps]
+        steps = [torch.compile(opts[0].step, backend="aot_eager"), opts[1].step]
+        for s in range(4):
+            for p, step in zip(ps, steps):
+                p.grad = torch.full((4,), 0.1 * (s + 1), dtype=torch.bfloat16)
+                step()
+                if s == 2:
+                    with torch.no_grad():
+                        p.fill_(3.0)
+    masters = [o.state[p]["master_param"] for o, p in zip(opts, ps)]
+    assert torch.equal(masters[0], masters[1]) and (masters[0] - 3.0).abs().max() < 0.01

@@ -190,3 +190,19 @@ def test_fuse_declines_what_it_cannot_take():
         cls, state = type(opt), copy.deepcopy(opt.state_dict())
         assert not optim.fuse_(opt)
         assert type(opt) is cls and opt.state_dict() == state
+
+
+def test_subclass_of_a_fastops_optimizer_falls_back_to_torchs_step():
+    """A user's subclass of fastops' class still finds torch's step for a float64 group (not its own again)."""
+
+    class MySGD(fastops.optim.SGD):
+        pass
+
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    q = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    opt, ref = MySGD([p], lr=0.1, momentum=0.9), torch.optim.SGD([q], lr=0.1, momentum=0.9)
+    for _ in range(3):
+        p.grad, q.grad = torch.full_like(p, 0.5), torch.full_like(q, 0.5)
+        opt.step()
+        ref.step()
+    assert torch.equal(p, q) and opt.state[p]["momentum_buffer"].dtype == torch.float64
