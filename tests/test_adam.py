@@ -15,6 +15,12 @@ STEPS = 50
 BIG = 10**6 + 7
 
 
+def _fresh_dynamo():
+    """Forget earlier compilations: every test that compiles a step compiles the same code object, and the
+    recompile limit (8) counts across tests."""
+    torch._dynamo.reset()
+
+
 def _model_params(seed: int, sizes, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in sizes]
@@ -507,6 +513,7 @@ def test_last_grad_norm_is_this_steps_or_nan(cpu_backend):
 def test_compiled_step_updates_the_flags(first_compiled):
     """Attributes assigned inside a torch.compile'd step do not survive it; the flags are tensors made with the
     optimizer and written in place, so they are this step's also after a compiled first step."""
+    _fresh_dynamo()
     with _backend.use("cpu", "reference"):
         p = torch.nn.Parameter(torch.zeros(3))
         o = fastops.optim.AdamW([p], max_grad_norm=100.0)
@@ -521,6 +528,7 @@ def test_compiled_step_updates_the_flags(first_compiled):
 def test_compiled_scaler_step_and_update():
     """torch.compile(lambda: (scaler.step(o), scaler.update())) with fastops' GradScaler, from the first step,
     with an inf at step 1: the skip flag, the scale and the params follow the eager run."""
+    _fresh_dynamo()
     runs = []
     for compiled in (True, False):
         with _backend.use("cpu", "reference"):
@@ -633,6 +641,7 @@ def test_zero_size_and_no_grad_params_are_fine(cpu_backend):
 
 
 def test_torch_compile_without_graph_break():
+    _fresh_dynamo()
     model = torch.nn.Linear(8, 4)
     opt = fastops.optim.AdamW(model.parameters(), lr=1e-2)
     ref_model = copy.deepcopy(model)
@@ -762,6 +771,7 @@ def test_master_without_edits_costs_no_compare(monkeypatch):
 
 def test_compiled_step_with_master_weights_keeps_an_edit():
     """The edit check also holds when the step is torch.compile'd (the version record is left to eager steps)."""
+    _fresh_dynamo()
     with _backend.use("cpu", "reference"):
         ps = [torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16)) for _ in range(2)]
         opts = [fastops.optim.AdamW([p], lr=1e-3, master_weights=True) for p in ps]

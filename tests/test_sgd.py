@@ -9,7 +9,7 @@ import torch
 
 import fastops
 from fastops import _backend, optim
-from tests.test_adam import _grads, _model_params, _run, _schedule
+from tests.test_adam import _fresh_dynamo, _grads, _model_params, _run, _schedule
 from tests.test_amp import no_host_reads
 
 STEPS = 30
@@ -259,6 +259,7 @@ def test_folded_clip_matches_clip_grad_norm(cpu_backend):
 
 
 def test_compiled_step_keeps_the_flags_and_matches_torch():
+    _fresh_dynamo()
     with _backend.use("cpu", "reference"):
         mine, theirs = _model_params(7, (3, 5)), _model_params(7, (3, 5))
         opt = fastops.optim.SGD(mine, lr=0.1, momentum=0.9, max_grad_norm=1e6)
