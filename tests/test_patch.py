@@ -169,9 +169,11 @@ def test_fuse_converts_in_place_mid_training(algo, dtype):
     if dtype == torch.float32:
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
     else:
-        # torch keeps bf16 states and rounds them every step; fastops' fp32 states do not: 2 bf16 ulps over 5 steps.
+        # torch keeps bf16 states and rounds after every op; fastops' fp32 states and single rounding do not. Over
+        # the 5 steps after the conversion the worst |diff| / (1e-3 + 2^-7 |torch|) measured 0.99 (SGD, whose bf16
+        # buffer accumulates the roundings), 0.33 (AdamW), 0 (Adam): twice that bound.
         for a, b in zip(mine, theirs):
-            torch.testing.assert_close(a.float(), b.float(), rtol=2 * 2**-8, atol=1e-3)
+            torch.testing.assert_close(a.float(), b.float(), rtol=2**-6, atol=2e-3)
 
 
 def test_fuse_declines_what_it_cannot_take():
