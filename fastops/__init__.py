@@ -1,8 +1,9 @@
 """fastops: one line to make PyTorch training faster.
 
 ``fastops.patch()`` swaps torch's AdamW/Adam/SGD, GradScalers and clip_grad_norm_ for fused fastops kernels;
-``fastops.optim``, ``fastops.amp`` and ``fastops.data`` hold the pieces. Every kernel is a torch op (``torch.ops.fastops.*``) with C++ CPU,
-Triton, CUDA C++ and pure-PyTorch implementations, one chosen per device (``python -m fastops info``).
+``fastops.optim``, ``fastops.amp`` and ``fastops.data`` hold the pieces. Every kernel is a torch op
+(``torch.ops.fastops.*``) with C++ CPU, Triton, CUDA C++ and pure-PyTorch implementations, one chosen per device
+(``python -m fastops info``).
 """
 
 from __future__ import annotations

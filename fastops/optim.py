@@ -19,11 +19,11 @@ Param groups the kernels do not take run torch's own step, so every script torch
 ``fastops.patch()``. The choice is per param group and per step: a group goes to torch when it has
 ``differentiable=True``, or any of its params is not float32/bfloat16/float16, is complex, sparse, strided with
 gaps, on a device fastops does not serve, or on another device than the group's first param, or has a sparse
-grad at this step (torch's SGD takes it; torch's Adam raises its own error). Such a group gets torch's results exactly (torch's code, torch's state layout);
-``master_weights`` does not apply to it, ``max_grad_norm`` does (its grads count in the norm and are clipped in
-place first, as ``clip_grad_norm_`` would). Under a GradScaler its grads are unscaled in place first, as torch's
-GradScaler does for torch's optimizers, and the skip decision is read on the host (one sync per step, which
-torch's GradScaler also takes for those optimizers).
+grad at this step (torch's SGD takes it; torch's Adam raises its own error). Such a group gets torch's results
+exactly (torch's code, torch's state layout); ``master_weights`` does not apply to it, ``max_grad_norm`` does (its
+grads count in the norm and are clipped in place first, as ``clip_grad_norm_`` would). Under a GradScaler its
+grads are unscaled in place first, as torch's GradScaler does for torch's optimizers, and the skip decision is
+read on the host (one sync per step, which torch's GradScaler also takes for those optimizers).
 """
 
 from __future__ import annotations

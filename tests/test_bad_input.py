@@ -59,7 +59,7 @@ def test_add_param_group_checks_hyperparameters(kwargs, match):
         ("eps", -1.0, r"Invalid epsilon value: -1.0 \(param_groups\[1\]\)"),
         ("weight_decay", -0.1, r"Invalid weight_decay value: -0.1 \(param_groups\[1\]\)"),
         ("max_grad_norm", -1.0, r"Invalid max_grad_norm value: -1.0 \(param_groups\[1\]\)"),
-        ("betas", (0.9, 0.99, 0.5), r"betas must be a pair .* got 3 elements: \(0.9, 0.99, 0.5\) \(param_groups\[1\]\)"),
+        ("betas", (0.9, 0.99, 0.5), r"a pair .* got 3 elements: \(0.9, 0.99, 0.5\) \(param_groups\[1\]\)"),
         ("lr", torch.tensor(1), r"Tensor lr must be a floating-point tensor, got torch.int64 \(param_groups\[1\]\)"),
     ],
 )
