@@ -1,8 +1,9 @@
 """fastops: one line to make PyTorch training faster.
 
-``fastops.patch()`` swaps torch's AdamW/Adam, GradScalers and clip_grad_norm_ for fused fastops kernels;
-``fastops.optim``, ``fastops.amp`` and ``fastops.data`` hold the pieces. Every kernel is a torch op (``torch.ops.fastops.*``) with C++ CPU,
-Triton, CUDA C++ and pure-PyTorch implementations, one chosen per device (``python -m fastops info``).
+``fastops.patch()`` swaps torch's AdamW/Adam/SGD, GradScalers and clip_grad_norm_ for fused fastops kernels;
+``fastops.optim``, ``fastops.amp`` and ``fastops.data`` hold the pieces. Every kernel is a torch op
+(``torch.ops.fastops.*``) with C++ CPU, Triton, CUDA C++ and pure-PyTorch implementations, one chosen per device
+(``python -m fastops info``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ _PATCHES = [
     ("torch.optim.adamw", "AdamW", optim.AdamW),
     ("torch.optim", "Adam", optim.Adam),
     ("torch.optim.adam", "Adam", optim.Adam),
+    ("torch.optim", "SGD", optim.SGD),
+    ("torch.optim.sgd", "SGD", optim.SGD),
     ("torch", "GradScaler", amp.GradScaler),
     ("torch.amp", "GradScaler", amp.GradScaler),
     ("torch.amp.grad_scaler", "GradScaler", amp.GradScaler),
@@ -40,9 +43,11 @@ _originals: dict[tuple[str, str], object] = {}
 
 
 def patch() -> None:
-    """Swap torch.optim.AdamW/Adam, torch.amp.GradScaler (also ``torch.GradScaler`` and the deprecated
+    """Swap torch.optim.AdamW/Adam/SGD, torch.amp.GradScaler (also ``torch.GradScaler`` and the deprecated
     ``torch.cuda.amp.GradScaler``/``torch.cpu.amp.GradScaler``) and torch.nn.utils.clip_grad_norm_ for
-    fastops'. Idempotent; undo with ``unpatch()``."""
+    fastops'. Idempotent; undo with ``unpatch()``. The optimizers run every script torch's run: param groups
+    their kernels do not take (float64, complex, ``differentiable=True``, sparse grads, ...) run torch's own step
+    (see ``fastops.optim``)."""
     for mod_name, attr, replacement in _PATCHES:
         mod = importlib.import_module(mod_name)
         _originals.setdefault((mod_name, attr), getattr(mod, attr))

@@ -124,6 +124,47 @@ def clip_grad_norm_(
     return total
 
 
+def unscale_grads_(params: Iterable[Tensor], inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool):
+    """The grads of ``params`` times ``inv_scale``, in place, with inf/nan recorded: torch's
+    ``GradScaler._unscale_grads_`` (returns found_inf per device), on ``unscale_check_`` for the grads the kernel
+    takes, one pass per device for all dtypes; the others go to ``torch._amp_foreach_non_finite_check_and_unscale_``
+    per (device, dtype), sharing the same found_inf."""
+    fused: dict[torch.device, list[Tensor]] = defaultdict(list)
+    other: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+    with torch.no_grad():
+        for param in params:
+            if param.grad is None:
+                continue
+            if (not allow_fp16) and param.grad.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            grad = param.grad
+            if grad.is_sparse:
+                # torch's rule: duplicate indices of scaled fp16 values can overflow when summed, so
+                # fp16 grads are coalesced first and the coalesced values checked.
+                if grad.dtype is torch.float16:
+                    param.grad = grad = grad.coalesce()
+                grad = grad._values()
+                other[(grad.device, grad.dtype)].append(grad)
+            elif _kernels_take(grad):
+                fused[grad.device].append(grad)
+            else:
+                other[(grad.device, grad.dtype)].append(grad)
+        per_device_found_inf: dict[torch.device, Tensor] = {}
+        per_device_inv_scale: dict[torch.device, Tensor] = {}
+
+        def on(device):
+            if device not in per_device_found_inf:
+                per_device_found_inf[device] = found_inf.to(device, non_blocking=True)
+                per_device_inv_scale[device] = inv_scale.to(device, non_blocking=True)
+            return per_device_found_inf[device], per_device_inv_scale[device]
+
+        for device, grads in fused.items():
+            _ops.unscale_check_(grads, *on(device))
+        for (device, _), grads in other.items():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, *on(device))
+    return per_device_found_inf
+
+
 def _is_fastops_optimizer(optimizer) -> bool:
     return getattr(optimizer, "_fastops_amp", False)
 
@@ -141,41 +182,8 @@ class GradScaler(_TorchGradScaler):
     """
 
     def _unscale_grads_(self, optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool):
-        fused: dict[torch.device, list[Tensor]] = defaultdict(list)
-        other: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if param.grad is None:
-                        continue
-                    if (not allow_fp16) and param.grad.dtype == torch.float16:
-                        raise ValueError("Attempting to unscale FP16 gradients.")
-                    grad = param.grad
-                    if grad.is_sparse:
-                        # torch's rule: duplicate indices of scaled fp16 values can overflow when summed, so
-                        # fp16 grads are coalesced first and the coalesced values checked.
-                        if grad.dtype is torch.float16:
-                            param.grad = grad = grad.coalesce()
-                        grad = grad._values()
-                        other[(grad.device, grad.dtype)].append(grad)
-                    elif _kernels_take(grad):
-                        fused[grad.device].append(grad)
-                    else:
-                        other[(grad.device, grad.dtype)].append(grad)
-            per_device_found_inf: dict[torch.device, Tensor] = {}
-            per_device_inv_scale: dict[torch.device, Tensor] = {}
-
-            def on(device):
-                if device not in per_device_found_inf:
-                    per_device_found_inf[device] = found_inf.to(device, non_blocking=True)
-                    per_device_inv_scale[device] = inv_scale.to(device, non_blocking=True)
-                return per_device_found_inf[device], per_device_inv_scale[device]
-
-            for device, grads in fused.items():
-                _ops.unscale_check_(grads, *on(device))
-            for (device, _), grads in other.items():
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, *on(device))
-        return per_device_found_inf
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        return unscale_grads_(params, inv_scale, found_inf, allow_fp16)
 
     def step(self, optimizer, *args, **kwargs):
         if not (self._enabled and _is_fastops_optimizer(optimizer)):

@@ -1,9 +1,10 @@
-"""Drop-in fused Adam and AdamW.
+"""Drop-in fused Adam, AdamW and SGD.
 
-``fastops.optim.Adam``/``AdamW`` subclass torch's classes, so ``isinstance`` checks, LR schedulers and
+``fastops.optim.Adam``/``AdamW``/``SGD`` subclass torch's classes, so ``isinstance`` checks, LR schedulers and
 ``torch.amp.GradScaler`` treat them as torch's own. They keep torch's constructor signature, defaults,
-param_groups and state_dict format, and add one keyword, ``master_weights``. Each step is one call of
-``torch.ops.fastops.adam_step_`` per param group (two when some params need an fp32 master copy).
+param_groups and state_dict format, and add two keywords, ``master_weights`` and ``max_grad_norm``. Each step is
+one call of ``torch.ops.fastops.adam_step_`` / ``sgd_step_`` per param group (a few when some params need an fp32
+master copy, or, for SGD, start their momentum buffer at this step).
 
 Where they differ from torch on purpose (the README lists these too):
 - optimizer states are fp32 for every param dtype (torch keeps bf16/fp16 states for bf16/fp16 params);
@@ -13,22 +14,37 @@ Where they differ from torch on purpose (the README lists these too):
 - hyperparameters are checked with torch's constructor checks and wording in ``add_param_group`` and again
   at every ``step`` (torch checks only the constructor's values, so a group added or edited later with
   betas=(1.0, 0.999) gives nan params there).
+
+Param groups the kernels do not take run torch's own step, so every script torch runs keeps running after
+``fastops.patch()``. The choice is per param group and per step: a group goes to torch when it has
+``differentiable=True``, or any of its params is not float32/bfloat16/float16, is complex, sparse, strided with
+gaps, on a device fastops does not serve, or on another device than the group's first param, or has a sparse
+grad at this step (torch's SGD takes it; torch's Adam raises its own error). Such a group gets torch's results
+exactly (torch's code, torch's state layout); ``master_weights`` does not apply to it, ``max_grad_norm`` does (its
+grads count in the norm and are clipped in place first, as ``clip_grad_norm_`` would). Under a GradScaler its
+grads are unscaled in place first, as torch's GradScaler does for torch's optimizers, and the skip decision is
+read on the host (one sync per step, which torch's GradScaler also takes for those optimizers).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
+import weakref
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import _ops, amp
+from . import _backend, _ops, amp
 from ._checks import check_like, is_dense
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Group keys that torch's Adam does not have; a torch state_dict loaded into fastops keeps the current value.
+# Group keys that torch's optimizers do not have; a torch state_dict loaded into fastops keeps the current value.
 _FASTOPS_KEYS = ("master_weights", "max_grad_norm")
-_STATE_TENSORS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+# State tensors that fastops keeps in fp32 on the param's device.
+_STATE_TENSORS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "master_param")
 
 
 def _local(t: Tensor) -> Tensor:
@@ -36,26 +52,34 @@ def _local(t: Tensor) -> Tensor:
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
 
-def _check_param(p: Tensor, i: int, cls: str) -> None:
+def _why_not(p: Tensor) -> str | None:
+    """Why the fused kernels cannot update ``p`` in place, or None when they can."""
     # Before anything that asks for strides: a sparse CSR tensor raises on is_contiguous() itself.
     if p.layout != torch.strided:
-        raise ValueError(f"{cls} does not support sparse params (param {i} has layout {p.layout})")
+        return f"is sparse (layout {p.layout})"
     if p.is_complex():
-        raise ValueError(f"{cls} does not support complex params (param {i} has dtype {p.dtype})")
+        return f"is complex (dtype {p.dtype})"
     if p.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{cls} supports float32, bfloat16 and float16 params; param {i} has dtype {p.dtype}")
+        return f"has dtype {p.dtype}; the kernels take float32, bfloat16 and float16"
     local = _local(p)
+    # Checked per param at every step: is_cpu/is_cuda cost 0.1 us against 0.5 us for device.type.
+    device_type = "cpu" if local.is_cpu else "cuda" if local.is_cuda else local.device.type
+    if device_type not in _backend.DEVICE_TYPES:
+        return f"is on {local.device}; fastops serves {_backend.DEVICE_TYPES}"
     if not is_dense(local):
-        raise ValueError(
-            f"{cls}: param {i} (shape {tuple(p.shape)}, strides {local.stride()}) is not contiguous; "
-            "its memory has gaps or overlaps, which the fused kernel cannot update in place"
+        return (
+            f"(shape {tuple(p.shape)}, strides {local.stride()}) is not contiguous; its memory has gaps or "
+            "overlaps, which the fused kernel cannot update in place"
         )
+    return None
 
 
 def _check_group_params(params: list[Tensor], cls: str) -> None:
-    """Every param of one group as the fused kernel takes it: dense, float, all on one device."""
+    """Every param of one group as the fused kernel takes it: dense, float, all on one device (ValueError)."""
     for i, p in enumerate(params):
-        _check_param(p, i, cls)
+        why = _why_not(p)
+        if why is not None:
+            raise ValueError(f"{cls}: param {i} {why}")
         if p.device != params[0].device:
             raise ValueError(
                 f"{cls}: all params of a group must be on one device; param {i} is on {p.device} "
@@ -63,11 +87,32 @@ def _check_group_params(params: list[Tensor], cls: str) -> None:
             )
 
 
+def _kernels_take(group: dict[str, Any]) -> bool:
+    """Whether the fused step serves this group now (else torch's step does; see the module docstring): the
+    conditions of ``_check_group_params`` and dense grads. Asked at every step (grads can turn sparse), so it
+    makes no torch.device objects and no messages, and complex dtypes fail the dtype test: 0.7 ms for 300 params
+    on the 2-core development machine, against 1.7 ms for building the op's lists of the same group."""
+    if group.get("differentiable", False):
+        return False
+    params = group["params"]
+    device0 = _local(params[0]).get_device() if params else None
+    for p in params:
+        if p.dtype not in _FLOAT_DTYPES or p.layout != torch.strided:
+            return False
+        local = _local(p)
+        if not (local.is_cpu or local.is_cuda) or local.get_device() != device0 or not is_dense(local):
+            return False
+        grad = p.grad
+        if grad is not None and grad.layout != torch.strided:
+            return False
+    return True
+
+
 def _check_no_overlap(params: list[Tensor], cls: str) -> None:
     spans = []
     for i, p in enumerate(params):
         t = _local(p)
-        if t.numel() and t.device.type != "meta":
+        if t.numel() and t.device.type != "meta" and _why_not(p) is None:
             start = t.data_ptr()
             spans.append((t.device, start, start + t.numel() * t.element_size(), i))
     spans.sort(key=lambda s: (str(s[0]), s[1]))
@@ -91,25 +136,20 @@ def _same_bits(a: Tensor, b: Tensor) -> bool:
     return torch.equal(a.view(as_int), b.view(as_int))
 
 
-# (group key, what torch's constructor calls it). The messages are torch.optim.Adam's constructor's, so a bad
-# value fails the same way whether it came through the constructor, add_param_group or an edit between steps.
-_NONNEGATIVE = (
-    ("lr", "learning rate"),
-    ("eps", "epsilon value"),
-    ("weight_decay", "weight_decay value"),
-    ("max_grad_norm", "max_grad_norm value"),
-)
+def _fp32_zeros(p: Tensor) -> Tensor:
+    return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
 
 def _where(k: int | None) -> str:
     return "" if k is None else f" (param_groups[{k}])"
 
 
-def _check_scalars(group: dict[str, Any], k: int | None, read_device: bool) -> None:
-    """lr, eps, weight_decay and max_grad_norm must be >= 0 (nan fails). ``k``: the group's index, named in the
-    message when the check runs at a step. ``read_device``: also read tensors on an accelerator, a host sync
-    (add_param_group does; step() does not, and leaves a GPU lr to the checks made when its group was added)."""
-    for key, what in _NONNEGATIVE:
+def _check_scalars(group: dict[str, Any], k: int | None, read_device: bool, keys) -> None:
+    """Each of ``keys`` ((group key, torch's name for it)) must be >= 0 (nan fails). ``k``: the group's index,
+    named in the message when the check runs at a step. ``read_device``: also read tensors on an accelerator, a
+    host sync (add_param_group does; step() does not, and leaves a GPU lr to the checks made when its group was
+    added)."""
+    for key, what in keys:
         v = group.get(key)
         if v is None and key == "max_grad_norm":  # no clipping (or the constructor has not set the key yet)
             continue
@@ -117,6 +157,10 @@ def _check_scalars(group: dict[str, Any], k: int | None, read_device: bool) -> N
         if isinstance(v, Tensor):
             if v.numel() != 1:
                 raise ValueError(f"Tensor {key} must be 1-element{_where(k)}")
+            if not v.is_floating_point():
+                # torch has no rule here; its fused kernels and fastops' read lr as a float, and an integer lr
+                # would fail only at the first step, deep inside the op.
+                raise ValueError(f"Tensor {key} must be a floating-point tensor, got {v.dtype}{_where(k)}")
             if (v.device.type != "cpu" and not read_device) or torch.compiler.is_compiling():
                 continue
             value = v.item()
@@ -124,28 +168,35 @@ def _check_scalars(group: dict[str, Any], k: int | None, read_device: bool) -> N
             raise ValueError(f"Invalid {what}: {v}{_where(k)}")
 
 
-def _checked_betas(group: dict[str, Any], k: int | None) -> tuple[float, float]:
-    """The group's betas as Python floats, checked to lie in [0, 1) as torch's constructor does. The op takes
-    float betas (as torch's fused kernels do), so a Tensor beta on a GPU costs a host sync per step."""
-    out = []
-    for i, b in enumerate(group["betas"]):
-        if isinstance(b, Tensor):
-            if b.numel() != 1:
-                raise ValueError(f"Tensor betas[{i}] must be 1-element{_where(k)}")
-            b = b.item()
-        # beta = 1 makes the bias correction 1 - 1**t = 0: nan params. torch 2.13's constructor has the same
-        # rule; it takes Tensor betas unless foreach=True and capturable=False, and its fused kernels read
-        # them as floats too, with .item() at every step.
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {b}{_where(k)}")
-        out.append(float(b))
-    return out[0], out[1]
+def _check_betas_len(betas, k: int | None = None) -> None:
+    # torch's constructor keeps betas[:2] of a longer tuple and its step fails to unpack one in a group.
+    if len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {len(betas)} elements: {tuple(betas)}{_where(k)}")
 
 
-class _FusedAdamMixin:
+@contextlib.contextmanager
+def _hidden(obj, names):
+    """Inside the block, ``getattr(obj, name, None)`` is None for each name; afterwards each is as it was."""
+    saved = {n: obj.__dict__[n] for n in names if n in obj.__dict__}
+    for n in names:
+        obj.__dict__[n] = None
+    try:
+        yield
+    finally:
+        for n in names:
+            del obj.__dict__[n]
+        obj.__dict__.update(saved)
+
+
+class _Fused:
+    """What Adam, AdamW and SGD share: the fastops group keys, hyperparameter checks, the state layout (fp32 on
+    the param's device) and its conversion on load, master weights, and the step (grad norm, clip, GradScaler
+    hand-off, skip flag, torch fallback). A subclass names its torch class (its last base) and defines
+    ``_check_group`` (per-step hyperparameters), ``_group_calls`` (the op's tensor lists) and ``_launch``."""
+
     _step_supports_amp_scaling = True
     _fastops_amp = True  # fastops.amp.GradScaler hands this optimizer the scale instead of unscaling first
-    last_grad_norm: Tensor | None = None
+    _nonnegative: tuple[tuple[str, str], ...] = ()  # (group key, torch's constructor's name for it)
     # Set per instance by fastops.accelerate when grads are sharded across ranks (FSDP2): maps this rank's
     # grad_stats to the global ones (an all-reduce), so the clip norm and the skip decision agree on all ranks.
     reduce_grad_stats = None
@@ -158,18 +209,31 @@ class _FusedAdamMixin:
         for group in self.param_groups:
             for k, v in extra.items():
                 group.setdefault(k, v)
-        self.register_load_state_dict_pre_hook(_FusedAdamMixin._load_pre_hook)
-        self.register_load_state_dict_post_hook(_FusedAdamMixin._load_post_hook)
+        self.register_load_state_dict_pre_hook(_Fused._load_pre_hook)
+        self.register_load_state_dict_post_hook(_Fused._load_post_hook)
+        self._init_flags()
+
+    def _init_flags(self) -> None:
+        # Created here, eagerly, and only ever written in place: attributes assigned inside a torch.compile'd step
+        # do not survive it, tensor mutations do.
+        device = self._first_device()
+        self.step_was_skipped = torch.zeros((), dtype=torch.bool, device=device)
+        self.last_grad_norm = torch.full((), math.nan, dtype=torch.float32, device=device)
+        # param -> its _version right after the step last wrote it from its master (see _master).
+        self._written_versions: dict[Tensor, int] = {}
+
+    @property
+    def _torch_class(self) -> type:
+        """torch's class this one drops in for (also under a user's subclass of a fastops class)."""
+        return next(c for c in type(self).__mro__ if issubclass(c, torch.optim.Optimizer) and not issubclass(c, _Fused))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)  # type: ignore[misc]
         group = self.param_groups[-1]
         try:
             # torch's add_param_group checks no hyperparameter (its constructor checks only the defaults).
-            _check_scalars(group, None, read_device=True)
-            _checked_betas(group, None)
+            self._check_group(group, None, read_device=True)
             cls = f"fastops.optim.{type(self).__name__}"
-            _check_group_params(group["params"], cls)
             _check_no_overlap([p for g in self.param_groups for p in g["params"]], cls)
         except ValueError:
             self.param_groups.pop()  # a group that raised is not half-added
@@ -180,6 +244,7 @@ class _FusedAdamMixin:
         for group in self.param_groups:
             group.setdefault("master_weights", False)
             group.setdefault("max_grad_norm", None)
+        self._init_flags()
 
     # torch's load_state_dict casts every state tensor to the param's dtype; fastops keeps fp32 states and
     # fp32 masters for bf16/fp16 params, so the originals are kept aside here and restored afterwards.
@@ -196,14 +261,18 @@ class _FusedAdamMixin:
 
     @staticmethod
     def _load_post_hook(self) -> None:
-        """Puts each (param, saved state) of ``self._fastops_loading`` into fastops' layout: fp32 moments and
-        master, a float32 step on the param's device. fastops.accelerate calls it to convert torch's own state."""
-        for p, saved in self.__dict__.pop("_fastops_loading", []):
-            if not saved:
+        """Puts each (param, saved state) of ``self._fastops_loading`` into fastops' layout: fp32 states and
+        master, a float32 step on the param's device. Params the kernels do not take keep torch's layout (their
+        group runs torch's step). fastops.accelerate and ``fuse_`` call it to convert torch's own state."""
+        loading = self.__dict__.pop("_fastops_loading", [])
+        if self.defaults.get("differentiable", False):  # every group runs torch's step
+            return
+        for p, saved in loading:
+            if not saved or _why_not(p) is not None:
                 continue
             state = self.state[p]
             for key in _STATE_TENSORS:
-                if key in saved:
+                if saved.get(key) is not None:
                     state[key] = saved[key].to(device=p.device, dtype=torch.float32)
             master = state.get("master_param")
             if master is not None and not _same_bits(_local(master).to(p.dtype), _local(p)):
@@ -215,52 +284,104 @@ class _FusedAdamMixin:
                 step = step if isinstance(step, Tensor) else torch.tensor(float(step))
                 state["step"] = step.to(device=_local(p).device, dtype=torch.float32)
 
-    def _fastops_group(self, group: dict[str, Any], k: int):
-        """Per param group: the op's tensor lists, split by whether a param has an fp32 master."""
-        plain = ([], [], [], [], [], [], [])
-        mastered = ([], [], [], [], [], [], [])
-        amsgrad = group["amsgrad"]
-        for i, p in enumerate(group["params"]):
-            if p.grad is None:
-                continue
-            grad = p.grad
-            if grad.is_sparse:  # (a grad of another sparse layout cannot be assigned to a strided param)
-                raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
-            lp, lg = _local(p), _local(grad)
-            if lg.stride() != lp.stride() and lg.numel() > 1:
-                # The kernel walks grad and param memory in lockstep; a grad laid out differently is copied. The copy
-                # would broadcast or cast a grad that no longer matches its param (kept from before p.data was
-                # reassigned), so that is checked first; grads that are not copied are checked by the op itself.
-                where = f"fastops.optim.{type(self).__name__}: in param_groups[{k}], "
-                check_like(lg, lp, f"grads[{i}]", f"params[{i}]", None, prefix=where, strides=False)
-                lg = torch.empty_like(lp).copy_(lg)
-            state = self.state[p]
-            if len(state) == 0:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=lp.device)
-                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            if amsgrad and "max_exp_avg_sq" not in state:
-                state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            use_master = group["master_weights"] and p.dtype != torch.float32
-            if use_master and "master_param" not in state:
-                state["master_param"] = p.detach().clone(memory_format=torch.preserve_format).float()
-            lists = mastered if use_master else plain
-            lists[0].append(lp)
-            lists[1].append(lg)
-            lists[2].append(_local(state["exp_avg"]))
-            lists[3].append(_local(state["exp_avg_sq"]))
-            if amsgrad:
-                lists[4].append(_local(state["max_exp_avg_sq"]))
-            lists[5].append(state["step"])
-            if use_master:
-                lists[6].append(_local(state["master_param"]))
-        return [lists for lists in (plain, mastered) if lists[0]]
+    def _master(self, p: Tensor, state: dict[str, Any]) -> Tensor:
+        """The fp32 master of a bf16/fp16 param, rebuilt from the param when the param was changed outside the
+        optimizer since the step last wrote it (``p.fill_``, ``model.load_state_dict``, ``clamp_``, an EMA swap):
+        torch keeps such edits, and stepping the old master would undo them. Seen through autograd's version
+        counter, which every in-place op bumps, so a step without edits costs no extra pass; when it moved, the
+        master is kept if it still rounds to the param (an EMA swapped back), else rebuilt (losing the bits below
+        the param's precision, as a fresh master would). Edits through ``p.data`` bypass the version counter
+        (``p.data.clamp_()`` is invisible to autograd too) and are not seen: edit under ``torch.no_grad()``."""
+        lp = _local(p)
+        master = state.get("master_param")
+        if master is not None and self._written_versions.get(p) != lp._version:
+            if not _same_bits(_local(master).to(p.dtype), lp):
+                master = None
+        if master is None:
+            master = state["master_param"] = p.detach().clone(memory_format=torch.preserve_format).float()
+        return _local(master)
+
+    def _wrote(self, params: list[Tensor]) -> None:
+        """Records the version counters the op left on params it wrote from their masters."""
+        if torch.compiler.is_compiling():
+            # Not traced; the stale entries make the next eager step compare bits once, which finds no edit.
+            return
+        for p in params:
+            self._written_versions[p] = _local(p)._version
+
+    def _grad(self, p: Tensor, i: int, k: int) -> Tensor:
+        """The local grad of ``p``, in its param's memory layout, which the kernel walks in lockstep."""
+        lp, lg = _local(p), _local(p.grad)
+        if lg.stride() != lp.stride() and lg.numel() > 1:
+            # A grad laid out differently is copied. The copy would broadcast or cast a grad that no longer matches
+            # its param (kept from before p.data was reassigned), so that is checked first; grads that are not
+            # copied are checked by the op itself.
+            where = f"fastops.optim.{type(self).__name__}: in param_groups[{k}], "
+            check_like(lg, lp, f"grads[{i}]", f"params[{i}]", None, prefix=where, strides=False)
+            lg = torch.empty_like(lp).copy_(lg)
+        return lg
 
     def _first_device(self) -> torch.device:
         for group in self.param_groups:
             for p in group["params"]:
                 return _local(p).device
         return torch.device("cpu")
+
+    def _torch_step(self, groups: list[dict[str, Any]]) -> None:
+        """torch's own step over ``groups`` only, without the step hooks (the fastops step that calls it runs
+        them) and with grad_scale/found_inf hidden: the caller has unscaled the grads and decided the skip."""
+        step = self._torch_class.step
+        if getattr(step, "hooked", False):  # torch wrapped the class's step when its first instance was made
+            step = step.__wrapped__
+        everything = self.param_groups
+        self.param_groups = groups
+        try:
+            with _hidden(self, ("grad_scale", "found_inf")):
+                step(self)
+        finally:
+            self.param_groups = everything
+
+    def _unscale_for_torch(self, groups, grad_scale: Tensor, device: torch.device) -> Tensor:
+        """Unscales the grads of groups that torch's step serves, in place, as torch's GradScaler.unscale_
+        would; returns their found_inf (float32, on ``device``)."""
+        found = torch.zeros(1, device=device)
+        inv_scale = grad_scale.double().reciprocal().float()
+        params = [p for g in groups for p in g["params"]]
+        per_device = amp.unscale_grads_(params, inv_scale, found, allow_fp16=True)
+        for t in per_device.values():
+            found = torch.maximum(found, _to(t, device))
+        return found.reshape(())
+
+    def _norm_and_found_inf(self, work, by_torch, grad_scale: Tensor | None, found_inf):
+        """This step's total grad norm (None when nothing needs it) and skip flag (None: no GradScaler). Grads of
+        groups torch's step serves are unscaled in place here (see the module docstring)."""
+        device0 = self.step_was_skipped.device
+        handed = found_inf  # by torch's GradScaler (every grad checked), or after an unscale_ (either scaler)
+        if handed is not None and not isinstance(handed, Tensor):
+            # torch's GradScaler hands over sum([]) == 0 when no param has a grad.
+            handed = found_inf = torch.full((), float(handed), device=device0)
+        torch_grads = [p.grad for g in by_torch for p in g["params"] if p.grad is not None]
+        clipping = any(group["max_grad_norm"] is not None for group in [w[0] for w in work] + by_torch)
+        squares = None
+        if work and (clipping or (grad_scale is not None and handed is None)):
+            # One read of every grad gives the norm and the inf/nan flag; no host sync.
+            # Unscaled inside the read, before squaring: scaled fp32 grads above 1.8e19 would square to inf.
+            inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+            stats = amp.grad_stats([g for _, _, calls in work for call in calls for g in call[1]], inv_scale)
+            if self.reduce_grad_stats is not None:
+                stats = self.reduce_grad_stats(stats)
+            if grad_scale is not None and handed is None:
+                found_inf = stats[2]
+            squares = stats[0]
+        if torch_grads and grad_scale is not None:
+            torch_found = self._unscale_for_torch(by_torch, grad_scale, device0)
+            if handed is None:
+                found_inf = torch_found if found_inf is None else torch.maximum(_to(found_inf, device0), torch_found)
+        if torch_grads and (clipping or squares is not None):
+            # torch's own norm of the grads it serves (float64, complex, sparse), unscaled above.
+            torch_squares = torch.nn.utils.get_total_norm(torch_grads, 2.0).float().square()
+            squares = torch_squares if squares is None else squares + _to(torch_squares, squares.device)
+        return (None if squares is None else squares.sqrt()), found_inf
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -270,39 +391,28 @@ class _FusedAdamMixin:
                 loss = closure()
         # Set by a GradScaler (torch's or fastops') for optimizers with _step_supports_amp_scaling.
         grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
         # Every group is checked before anything changes: a bad value raises with nothing half-updated.
-        betas = []
+        hypers = [self._check_group(group, k, read_device=False) for k, group in enumerate(self.param_groups)]
+        work, by_torch = [], []
         for k, group in enumerate(self.param_groups):
-            _check_scalars(group, k, read_device=False)
-            betas.append(_checked_betas(group, k))
-        work = []
-        for k, group in enumerate(self.param_groups):
-            calls = self._fastops_group(group, k)
+            if not any(p.grad is not None for p in group["params"]):
+                continue
+            if not _kernels_take(group):
+                by_torch.append(group)
+                continue
+            calls = self._group_calls(group, k)
             if calls:
-                work.append((group, betas[k], calls))
-        device0 = self._first_device()  # where step_was_skipped lives
-        clipping = any(group["max_grad_norm"] is not None for group, _, _ in work)
-        norm = None
-        if work and (clipping or (grad_scale is not None and found_inf is None)):
-            # One read of every grad gives the norm and the inf/nan flag; no host sync.
-            # Unscaled inside the read, before squaring: scaled fp32 grads above 1.8e19 would square to inf.
-            inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
-            stats = amp.grad_stats([g for _, _, calls in work for lists in calls for g in lists[1]], inv_scale)
-            if self.reduce_grad_stats is not None:
-                stats = self.reduce_grad_stats(stats)
-            if found_inf is None:
-                found_inf = stats[2] if grad_scale is not None else None
-            norm = stats[0].sqrt()
-        self.last_grad_norm = norm
-        if found_inf is not None and not isinstance(found_inf, Tensor):
-            # torch's GradScaler hands over sum([]) == 0 when no param has a grad.
-            found_inf = torch.full((), float(found_inf), device=device0)
-        if found_inf is None:
-            self.step_was_skipped = torch.zeros((), dtype=torch.bool, device=device0)
+                work.append((group, hypers[k], calls))
+        norm, found_inf = self._norm_and_found_inf(work, by_torch, grad_scale, getattr(self, "found_inf", None))
+        if norm is None:
+            self.last_grad_norm.fill_(math.nan)
         else:
-            self.step_was_skipped = _to(found_inf, device0) != 0
-        for group, (beta1, beta2), calls in work:
+            self.last_grad_norm.copy_(norm)
+        if found_inf is None:
+            self.step_was_skipped.fill_(False)
+        else:
+            self.step_was_skipped.copy_(_to(found_inf, self.step_was_skipped.device) != 0)
+        for group, hyper, calls in work:
             # Every scalar is brought to this group's device: with model parallelism the scaler's scale, the
             # grad norm (first grads' device) and this group's params can sit on three different GPUs.
             device = calls[0][0][0].device
@@ -320,34 +430,110 @@ class _FusedAdamMixin:
                 coef = amp.clip_coef(_to(norm, device), max_norm)
                 divisor = 1.0 / coef if divisor is None else divisor / coef
             fi = None if found_inf is None else _to(found_inf, device)
-            for params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters in calls:
-                _ops.adam_step_(
-                    params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters, lr_t,
-                    beta1, beta2, float(group["eps"]), float(group["weight_decay"]),
-                    bool(group["amsgrad"]), bool(group["maximize"]), bool(group["decoupled_weight_decay"]),
-                    divisor, fi,
-                )  # fmt: skip
+            for call in calls:
+                self._launch(group, hyper, call, lr_t, divisor, fi)
+        if by_torch and not (found_inf is not None and bool(found_inf)):  # a host read, see the module docstring
+            for group in by_torch:
+                if group["max_grad_norm"] is not None:
+                    torch.nn.utils.clip_grads_with_norm_(group["params"], group["max_grad_norm"], norm)
+            self._torch_step(by_torch)
         return loss
 
 
-class Adam(_FusedAdamMixin, torch.optim.Adam):
-    """torch.optim.Adam with a fused fastops step. Same arguments, plus ``master_weights``: keep an fp32
-    copy of bf16/fp16 params in the optimizer state, update it, and write the rounded param in the same pass;
-    and ``max_grad_norm``: clip the grads' total 2-norm to it inside the step, with no pass of its own.
+class _AdamBase(_Fused):
+    _nonnegative = (
+        ("lr", "learning rate"),
+        ("eps", "epsilon value"),
+        ("weight_decay", "weight_decay value"),
+        ("max_grad_norm", "max_grad_norm value"),
+    )
 
-    After each ``step()``:
+    def _check_group(self, group: dict[str, Any], k: int | None, read_device: bool) -> tuple[float, float]:
+        """The messages are torch.optim.Adam's constructor's, so a bad value fails the same way whether it came
+        through the constructor, add_param_group or an edit between steps. Returns the betas as Python floats,
+        checked to lie in [0, 1) as torch's constructor does. The op takes float betas (as torch's fused kernels
+        do), so a Tensor beta on a GPU costs a host sync per step."""
+        _check_scalars(group, k, read_device, self._nonnegative)
+        _check_betas_len(group["betas"], k)
+        out = []
+        for i, b in enumerate(group["betas"]):
+            if isinstance(b, Tensor):
+                if b.numel() != 1:
+                    raise ValueError(f"Tensor betas[{i}] must be 1-element{_where(k)}")
+                b = b.item()
+            # beta = 1 makes the bias correction 1 - 1**t = 0: nan params. torch 2.13's constructor has the same
+            # rule; it takes Tensor betas unless foreach=True and capturable=False, and its fused kernels read
+            # them as floats too, with .item() at every step.
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {b}{_where(k)}")
+            out.append(float(b))
+        return out[0], out[1]
 
-    - ``step_was_skipped``: a bool tensor on the device of the optimizer's first param, True when a GradScaler
-      found inf/nan and the step changed nothing; always a tensor, so only reading it syncs.
-    - ``last_grad_norm``: the total 2-norm of the unscaled grads (fp32, on the grads' device) when this step
-      computed it (``max_grad_norm`` set, or a GradScaler handed over its scale without an ``unscale_``
-      first), else None: never an earlier step's value.
+    def _group_calls(self, group: dict[str, Any], k: int):
+        """The op's tensor lists, split by whether a param has an fp32 master; each call ends with the params."""
+        plain = ([], [], [], [], [], [], [], [])
+        mastered = ([], [], [], [], [], [], [], [])
+        amsgrad = group["amsgrad"]
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            lg = self._grad(p, i, k)
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+                state["exp_avg"] = _fp32_zeros(p)
+                state["exp_avg_sq"] = _fp32_zeros(p)
+            if amsgrad and "max_exp_avg_sq" not in state:
+                state["max_exp_avg_sq"] = _fp32_zeros(p)
+            use_master = group["master_weights"] and p.dtype != torch.float32
+            lists = mastered if use_master else plain
+            lists[0].append(_local(p))
+            lists[1].append(lg)
+            lists[2].append(_local(state["exp_avg"]))
+            lists[3].append(_local(state["exp_avg_sq"]))
+            if amsgrad:
+                lists[4].append(_local(state["max_exp_avg_sq"]))
+            lists[5].append(state["step"])
+            if use_master:
+                lists[6].append(self._master(p, state))
+            lists[7].append(p)
+        return [lists for lists in (plain, mastered) if lists[0]]
+
+    def _launch(self, group, betas, call, lr_t, divisor, found_inf) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters, owners = call
+        _ops.adam_step_(
+            params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters, lr_t,
+            betas[0], betas[1], float(group["eps"]), float(group["weight_decay"]),
+            bool(group["amsgrad"]), bool(group["maximize"]), bool(group["decoupled_weight_decay"]),
+            divisor, found_inf,
+        )  # fmt: skip
+        if masters:
+            self._wrote(owners)
+
+
+_EXTRAS_DOC = """
+
+    After each ``step()``, both tensors on the device of the optimizer's first param, created with the optimizer
+    and updated in place (so they stay right when the step is ``torch.compile``d; ``.clone()`` one to keep it):
+
+    - ``step_was_skipped``: bool, True when a GradScaler found inf/nan and the step changed nothing; only
+      reading it syncs.
+    - ``last_grad_norm``: float32, the total 2-norm of the unscaled grads when this step computed it
+      (``max_grad_norm`` set, or a GradScaler handed over its scale without an ``unscale_`` first), else nan:
+      never an earlier step's value.
 
     Hyperparameters are checked with torch's constructor checks and wording when a group is added and at
     every step (Python numbers and CPU tensors; a GPU lr only when its group is added, since reading it each
-    step would sync). A Tensor beta is read on the host at every step, so in-place changes take effect at the
-    next step; on a GPU that read is a sync (the kernels take float betas, as torch's fused kernels do).
-    """
+    step would sync); a Tensor lr must be floating point. Groups the kernels do not take (float64 or complex
+    params, ``differentiable=True``, sparse grads, ...) run torch's own step: see the module docstring."""
+
+
+class Adam(_AdamBase, torch.optim.Adam):
+    """torch.optim.Adam with a fused fastops step. Same arguments, plus ``master_weights``: keep an fp32
+    copy of bf16/fp16 params in the optimizer state, update it, and write the rounded param in the same pass
+    (edits of the param between steps are kept, see ``_master``); and ``max_grad_norm``: clip the grads' total
+    2-norm to it inside the step, with no pass of its own. A Tensor beta is read on the host at every step, so
+    in-place changes take effect at the next step; on a GPU that read is a sync."""
 
     def __init__(
         self,
@@ -367,18 +553,18 @@ class Adam(_FusedAdamMixin, torch.optim.Adam):
         master_weights: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
-        if differentiable:
-            raise NotImplementedError("fastops.optim.Adam does not support differentiable=True")
+        _check_betas_len(betas)
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
-            capturable=capturable, differentiable=False, fused=fused, decoupled_weight_decay=decoupled_weight_decay,
+            capturable=capturable, differentiable=differentiable, fused=fused,
+            decoupled_weight_decay=decoupled_weight_decay,
         )  # fmt: skip
         self._fastops_init(master_weights, max_grad_norm)
 
 
-class AdamW(_FusedAdamMixin, torch.optim.AdamW):
+class AdamW(_AdamBase, torch.optim.AdamW):
     """torch.optim.AdamW with a fused fastops step. Same arguments, plus ``master_weights`` and
-    ``max_grad_norm``; ``step_was_skipped``, ``last_grad_norm`` and the hyperparameter checks as in Adam."""
+    ``max_grad_norm`` as in Adam."""
 
     def __init__(
         self,
@@ -397,10 +583,153 @@ class AdamW(_FusedAdamMixin, torch.optim.AdamW):
         master_weights: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
-        if differentiable:
-            raise NotImplementedError("fastops.optim.AdamW does not support differentiable=True")
+        _check_betas_len(betas)
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
-            capturable=capturable, differentiable=False, fused=fused,
+            capturable=capturable, differentiable=differentiable, fused=fused,
         )  # fmt: skip
         self._fastops_init(master_weights, max_grad_norm)
+
+
+class SGD(_Fused, torch.optim.SGD):
+    """torch.optim.SGD with a fused fastops step (``torch.ops.fastops.sgd_step_``). Same arguments, plus
+    ``master_weights`` and ``max_grad_norm`` as in Adam. ``momentum_buffer`` is fp32 for every param dtype.
+
+    A param's first step with momentum sets ``buf = grad`` (torch's rule). When a GradScaler skips that step,
+    the buffer stays unstarted, so the next real step is a first step again (torch's fused SGD leaves an
+    uninitialized buffer there instead). With ``dampening == 0`` this costs nothing: the buffer starts at zero,
+    and ``momentum * 0 + grad`` is ``grad``. With ``dampening != 0`` it takes one host read of the GradScaler's
+    found_inf, once, at the first step of params that have no buffer yet (a sync on CUDA)."""
+
+    _nonnegative = (
+        ("lr", "learning rate"),
+        ("momentum", "momentum value"),
+        ("weight_decay", "weight_decay value"),
+        ("max_grad_norm", "max_grad_norm value"),
+    )
+
+    def __init__(
+        self,
+        params,
+        lr: float | Tensor = 1e-3,
+        momentum: float = 0,
+        dampening: float = 0,
+        weight_decay: float | Tensor = 0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        master_weights: bool = False,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        super().__init__(
+            params, lr, momentum, dampening, weight_decay, nesterov, maximize=maximize, foreach=foreach,
+            differentiable=differentiable, fused=fused,
+        )  # fmt: skip
+        self._fastops_init(master_weights, max_grad_norm)
+
+    def _check_group(self, group: dict[str, Any], k: int | None, read_device: bool) -> None:
+        """torch.optim.SGD's constructor checks and messages."""
+        _check_scalars(group, k, read_device, self._nonnegative)
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError(f"Nesterov momentum requires a momentum and zero dampening{_where(k)}")
+
+    def _group_calls(self, group: dict[str, Any], k: int):
+        """Calls of (params, grads, momentum_buffers, masters, owners, is_first_step), split by whether a param has
+        an fp32 master and whether its buffer starts at this step (those buffers are made in ``_launch``)."""
+        calls: dict[tuple[bool, bool], tuple] = {}
+        with_momentum = group["momentum"] != 0
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            lg = self._grad(p, i, k)
+            state = self.state.get(p, {})  # (not self.state[p]: torch keeps no state for SGD without momentum)
+            buf = state.get("momentum_buffer") if with_momentum else None
+            use_master = group["master_weights"] and p.dtype != torch.float32
+            first = with_momentum and buf is None
+            call = calls.setdefault((use_master, first), ([], [], [], [], [], first))
+            call[0].append(_local(p))
+            call[1].append(lg)
+            if buf is not None:
+                call[2].append(_local(buf))
+            if use_master:
+                call[3].append(self._master(p, self.state[p]))
+            call[4].append(p)
+        return list(calls.values())
+
+    def _launch(self, group, _, call, lr_t, divisor, found_inf) -> None:
+        params, grads, bufs, masters, owners, first = call
+        dampening = float(group["dampening"])
+        if first:
+            if dampening != 0 and found_inf is not None and bool(found_inf):  # host read, see the class docstring
+                return  # skipped: no buffer, so the next real step is these params' first
+            for p in owners:
+                self.state[p]["momentum_buffer"] = buf = _fp32_zeros(p)
+                bufs.append(_local(buf))
+        _ops.sgd_step_(
+            params, grads, bufs, masters, lr_t, float(group["weight_decay"]), float(group["momentum"]), dampening,
+            bool(group["nesterov"]), bool(group["maximize"]), first, divisor, found_inf,
+        )  # fmt: skip
+        if masters:
+            self._wrote(owners)
+
+
+for _cls in (Adam, AdamW, SGD):
+    _cls.__doc__ += _EXTRAS_DOC
+
+# The old name, kept for modules that test for fastops' optimizers with it.
+_FusedAdamMixin = _Fused
+
+# torch's classes (exactly) -> fastops'. fastops.patch() rebinds the torch.optim names, not these bases.
+_FUSABLE = {cls.__bases__[-1]: cls for cls in (AdamW, Adam, SGD)}
+
+
+def _tracked_step(opt: torch.optim.Optimizer):
+    """The instance step torch's LRScheduler installs (it sets ``_opt_called``, which its order check reads),
+    around the optimizer's current class's step."""
+    opt_ref = weakref.ref(opt)
+
+    @functools.wraps(type(opt).step)
+    def wrapper(*args, **kwargs):
+        o = opt_ref()
+        o._opt_called = True
+        return type(o).step(o, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    return wrapper
+
+
+def fuse_(opt: torch.optim.Optimizer) -> bool:
+    """Turns a torch ``Adam``, ``AdamW`` or ``SGD`` (exactly those classes, not subclasses) into fastops' class in
+    place and returns True: the same object with the same param_group dicts, state, hooks and step counts, so LR
+    schedulers built on it keep driving it. Its states move to fastops' layout (fp32, on the param's device), as
+    when a torch state_dict is loaded into a fastops optimizer; ``master_weights`` is off and ``max_grad_norm``
+    None. Returns True, changing nothing, for an optimizer that already is fastops'. Returns False and leaves it
+    as it was when fastops cannot take every group (another class, ``differentiable=True``, params that are not
+    float32/bfloat16/float16, complex, sparse, strided with gaps, on several devices in a group, or overlapping)."""
+    if isinstance(opt, _Fused):
+        return True
+    cls = _FUSABLE.get(type(opt))
+    if cls is None or opt.defaults.get("differentiable", False):
+        return False
+    if not all(_kernels_take(group) for group in opt.param_groups):
+        return False
+    try:
+        _check_no_overlap([p for g in opt.param_groups for p in g["params"]], "")
+    except ValueError:
+        return False
+    torch_step = type(opt).step
+    opt.__class__ = cls
+    opt._fastops_init(master_weights=False, max_grad_norm=None)
+    # torch wraps a class's step (step hooks, profiler) when the first instance is constructed; a class
+    # assigned without a constructor call gets the same here.
+    opt._patch_step_function()
+    sched_step = opt.__dict__.get("step")
+    if getattr(sched_step, "_wrapped_by_lr_sched", False) and getattr(sched_step, "__wrapped__", None) is torch_step:
+        # An LR scheduler made before the conversion wrapped the instance's step around torch's class's function.
+        opt.step = _tracked_step(opt)
+    opt._fastops_loading = [(p, dict(s)) for p, s in opt.state.items()]
+    _Fused._load_post_hook(opt)
+    return True

@@ -15,6 +15,20 @@ STEPS = 50
 BIG = 10**6 + 7
 
 
+def _fresh_dynamo():
+    """Forget earlier compilations: every test that compiles a step compiles the same code object, and the
+    recompile limit (8) counts across tests."""
+    torch._dynamo.reset()
+
+
+def _torch_keys(groups):
+    """Param groups (or one defaults dict) without the keys fastops adds."""
+    drop = ("master_weights", "max_grad_norm")
+    if isinstance(groups, dict):
+        return {k: v for k, v in groups.items() if k not in drop}
+    return [_torch_keys(g) for g in groups]
+
+
 def _model_params(seed: int, sizes, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in sizes]
@@ -455,8 +469,7 @@ def test_add_param_group_and_hyperparameters_roundtrip():
     opt.add_param_group({"params": params[1:], "lr": 5e-4, "weight_decay": 0.0})
     ref = torch.optim.AdamW(params[:1], lr=1e-3)
     ref.add_param_group({"params": params[1:], "lr": 5e-4, "weight_decay": 0.0})
-    strip = lambda groups: [{k: v for k, v in g.items() if k not in ("master_weights", "max_grad_norm")} for g in groups]  # noqa: E731
-    assert strip(opt.state_dict()["param_groups"]) == ref.state_dict()["param_groups"]
+    assert _torch_keys(opt.state_dict()["param_groups"]) == ref.state_dict()["param_groups"]
     assert isinstance(opt, torch.optim.AdamW) and isinstance(fastops.optim.Adam(params), torch.optim.Adam)
 
 
@@ -470,11 +483,11 @@ def test_step_was_skipped_is_a_bool_tensor_without_grads(cpu_backend):
     scaler.step(opt)
     skipped = opt.step_was_skipped
     assert isinstance(skipped, torch.Tensor) and skipped.dtype == torch.bool and skipped.device == model.weight.device
-    assert not skipped and opt.last_grad_norm is None
+    assert not skipped and opt.last_grad_norm.isnan()
 
 
-def test_last_grad_norm_is_this_steps_or_none(cpu_backend):
-    """Set when this step computed the norm (clipping, or a GradScaler's scale handed over); None otherwise,
+def test_last_grad_norm_is_this_steps_or_nan(cpu_backend):
+    """Set when this step computed the norm (clipping, or a GradScaler's scale handed over); nan otherwise,
     never an earlier step's value."""
     params = _model_params(11, (5, 9))
     opt = fastops.optim.AdamW(params, lr=1e-2, max_grad_norm=1.0)
@@ -491,7 +504,7 @@ def test_last_grad_norm_is_this_steps_or_none(cpu_backend):
     opt.param_groups[0]["max_grad_norm"] = None
     feed(1)
     opt.step()
-    assert opt.last_grad_norm is None
+    assert opt.last_grad_norm.isnan()
     want = feed(2, scale=1024.0)
     opt.grad_scale, opt.found_inf = torch.tensor(1024.0), None  # as fastops.amp.GradScaler hands it over
     opt.step()
@@ -499,8 +512,128 @@ def test_last_grad_norm_is_this_steps_or_none(cpu_backend):
     opt.grad_scale, opt.found_inf = None, torch.tensor(0.0)  # after unscale_: the flag is known, no read
     feed(3)
     opt.step()
-    assert opt.last_grad_norm is None and opt.step_was_skipped.dtype == torch.bool
+    assert opt.last_grad_norm.isnan() and opt.step_was_skipped.dtype == torch.bool
     del opt.grad_scale, opt.found_inf
+
+
+@pytest.mark.parametrize("first_compiled", [True, False])
+def test_compiled_step_updates_the_flags(first_compiled):
+    """Attributes assigned inside a torch.compile'd step do not survive it; the flags are tensors made with the
+    optimizer and written in place, so they are this step's also after a compiled first step."""
+    _fresh_dynamo()
+    with _backend.use("cpu", "reference"):
+        p = torch.nn.Parameter(torch.zeros(3))
+        o = fastops.optim.AdamW([p], max_grad_norm=100.0)
+        compiled = torch.compile(o.step, backend="aot_eager")
+        for k, value in enumerate((1.0, 10.0, 2.0)):
+            p.grad = torch.full((3,), value)
+            compiled() if first_compiled or k else o.step()
+            torch.testing.assert_close(o.last_grad_norm, torch.tensor(value * 3**0.5))
+            assert not o.step_was_skipped
+
+
+def test_compiled_scaler_step_and_update():
+    """torch.compile(lambda: (scaler.step(o), scaler.update())) with fastops' GradScaler, from the first step,
+    with an inf at step 1: the skip flag, the scale and the params follow the eager run."""
+    _fresh_dynamo()
+    runs = []
+    for compiled in (True, False):
+        with _backend.use("cpu", "reference"):
+            p = torch.nn.Parameter(torch.ones(3))
+            o = fastops.optim.AdamW([p], lr=0.1)
+            scaler = fastops.amp.GradScaler("cpu", init_scale=4.0)
+            phase = lambda: (scaler.step(o), scaler.update())  # noqa: E731
+            phase = torch.compile(phase, backend="aot_eager") if compiled else phase
+            flags = []
+            for step in range(3):
+                scaler.scale((p * (float("inf") if step == 1 else 1.0)).sum()).backward()
+                phase()
+                flags.append(bool(o.step_was_skipped))
+                o.zero_grad()
+        runs.append((flags, scaler.get_scale(), p.detach().clone()))
+    assert runs[0][0] == [False, True, False] and runs[0][:2] == runs[1][:2]
+    assert torch.equal(runs[0][2], runs[1][2])
+
+
+def _edits():
+    """In-place edits of a model's params between steps that torch keeps (each under no_grad, as users write them)."""
+    def fill(model, other):
+        model.weight.fill_(5.0)
+
+    def load_state_dict(model, other):
+        model.load_state_dict(other.state_dict())
+
+    def clamp(model, other):  # WGAN's weight clipping
+        for p in model.parameters():
+            p.clamp_(-0.01, 0.01)
+
+    def ema_swap(model, other):  # the EMA weights swapped in, and training goes on from them
+        for p, e in zip(model.parameters(), other.parameters()):
+            tmp = p.detach().clone()
+            p.copy_(e)
+            e.copy_(tmp)
+
+    return [fill, load_state_dict, clamp, ema_swap]
+
+
+@pytest.mark.parametrize("edit", _edits(), ids=lambda f: f.__name__)
+@pytest.mark.parametrize("algo", ["AdamW", "SGD"])
+def test_master_weights_keep_edits_of_the_param(edit, algo):
+    """torch keeps an edit made between steps; with master_weights=True fastops rebuilds the master from the edited
+    param (seen through its version counter), so the next step starts from the edit as torch's does: exactly the
+    step of an optimizer whose master was set to the edited param by hand."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).bfloat16()
+    other = torch.nn.Linear(4, 3).bfloat16()
+    make = lambda m: (fastops.optim.AdamW(m.parameters(), lr=1e-3, master_weights=True) if algo == "AdamW"  # noqa: E731
+                      else fastops.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9, master_weights=True))
+    opt = make(model)
+    with _backend.use("cpu", "reference"):
+        for step in range(3):
+            model.weight.grad = _grads(step, [model.weight])[0]
+            model.bias.grad = _grads(step + 50, [model.bias])[0]
+            opt.step()
+        twin_model = copy.deepcopy(model)
+        twin = make(twin_model)
+        twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+        with torch.no_grad():
+            edit(model, copy.deepcopy(other))
+            edit(twin_model, copy.deepcopy(other))
+        edited = [p.detach().clone() for p in model.parameters()]
+        for p in twin_model.parameters():
+            if not torch.equal(twin.state[p]["master_param"].to(p.dtype), p):  # edited: the rebuild, by hand
+                twin.state[p]["master_param"] = p.detach().float()
+        for m, o in ((model, opt), (twin_model, twin)):
+            m.weight.grad = torch.ones_like(m.weight)
+            m.bias.grad = torch.ones_like(m.bias)
+            o.step()
+    for a, b, e in zip(model.parameters(), twin_model.parameters(), edited):
+        assert torch.equal(a, b)
+        assert (a.float() - e.float()).abs().max() <= 0.05  # a step of lr 1e-3 from the edit, not back to before it
+
+
+def test_master_survives_an_ema_swap_and_back():
+    """Swapping EMA weights in (to evaluate) and back leaves the param's bits as the master rounds: the master is
+    kept, with the bits below bf16 that a rebuild would lose."""
+    torch.manual_seed(0)
+    model, ema = torch.nn.Linear(4, 3).bfloat16(), torch.nn.Linear(4, 3).bfloat16()
+    opt = fastops.optim.AdamW(model.parameters(), lr=1e-3, master_weights=True)
+    with _backend.use("cpu", "reference"):
+        for step in range(2):
+            for p in model.parameters():
+                p.grad = _grads(step, [p])[0]
+            opt.step()
+        masters = [opt.state[p]["master_param"].clone() for p in model.parameters()]
+        swap = _edits()[3]
+        with torch.no_grad():
+            swap(model, ema)
+            swap(model, ema)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.param_groups[0]["lr"] = 0.0
+        opt.step()
+    for p, m in zip(model.parameters(), masters):
+        assert torch.equal(opt.state[p]["master_param"], m)
 
 
 def test_zero_size_and_no_grad_params_are_fine(cpu_backend):
@@ -515,6 +648,7 @@ def test_zero_size_and_no_grad_params_are_fine(cpu_backend):
 
 
 def test_torch_compile_without_graph_break():
+    _fresh_dynamo()
     model = torch.nn.Linear(8, 4)
     opt = fastops.optim.AdamW(model.parameters(), lr=1e-2)
     ref_model = copy.deepcopy(model)
@@ -552,9 +686,13 @@ def test_patch_unpatch_patched():
     assert torch.optim.AdamW is original_adamw
 
 
-def test_grad_scaler_skips_without_changing_anything(cpu_backend):
-    params = _model_params(6, (5, 9))
-    opt = fastops.optim.AdamW(params, lr=1e-2)
+@pytest.mark.parametrize("make", [lambda ps: fastops.optim.AdamW(ps, lr=1e-2, max_grad_norm=1.0),
+                                  lambda ps: fastops.optim.SGD(ps, lr=1e-2, momentum=0.9, dampening=0.2),
+                                  lambda ps: fastops.optim.SGD(ps, lr=1e-2, momentum=0.9, master_weights=True)],
+                         ids=["AdamW", "SGD", "SGD-master"])  # fmt: skip
+def test_grad_scaler_skips_without_changing_anything(cpu_backend, make):
+    params = _model_params(6, (5, 9), torch.bfloat16)
+    opt = make(params)
     for p, g in zip(params, _grads(0, params)):
         p.grad = g
     opt.step()
@@ -617,3 +755,40 @@ def test_dtensor_params_update_their_local_shard(tmp_path):
         torch.testing.assert_close(dparam.full_tensor(), plain.detach(), rtol=1e-5, atol=1e-6)
     finally:
         dist.destroy_process_group()
+
+
+def test_master_without_edits_costs_no_compare(monkeypatch):
+    """The version counter the step leaves is what tells an edit: steps with no edit in between read neither the
+    param nor its master an extra time (the bits are compared once, for a master the optimizer did not write)."""
+    calls = []
+    real = fastops.optim._same_bits
+    monkeypatch.setattr(fastops.optim, "_same_bits", lambda a, b: calls.append(1) or real(a, b))
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = fastops.optim.AdamW([p], lr=1e-3, master_weights=True)
+    with _backend.use("cpu", "reference"):
+        for _ in range(4):
+            p.grad = torch.ones(4, dtype=torch.bfloat16)
+            opt.step()
+        assert calls == []
+        with torch.no_grad():
+            p.add_(1.0)
+        opt.step()
+    assert calls == [1] and (p.float() - 2.0).abs().max() < 0.01  # the edit (1 -> 2) kept
+
+
+def test_compiled_step_with_master_weights_keeps_an_edit():
+    """The edit check also holds when the step is torch.compile'd (the version record is left to eager steps)."""
+    _fresh_dynamo()
+    with _backend.use("cpu", "reference"):
+        ps = [torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16)) for _ in range(2)]
+        opts = [fastops.optim.AdamW([p], lr=1e-3, master_weights=True) for p in ps]
+        steps = [torch.compile(opts[0].step, backend="aot_eager"), opts[1].step]
+        for s in range(4):
+            for p, step in zip(ps, steps):
+                p.grad = torch.full((4,), 0.1 * (s + 1), dtype=torch.bfloat16)
+                step()
+                if s == 2:
+                    with torch.no_grad():
+                        p.fill_(3.0)
+    masters = [o.state[p]["master_param"] for o, p in zip(opts, ps)]
+    assert torch.equal(masters[0], masters[1]) and (masters[0] - 3.0).abs().max() < 0.01
