@@ -16,7 +16,7 @@ How the loop stays unchanged:
   ``scaler.scale(loss / k).backward()`` would, for any loss computed from the outputs. This holds for
   ``model(x)`` and ``model.forward(x)`` alike, and for outputs that are tensors, possibly nested in lists,
   tuples, dicts (HF ``ModelOutput``), namedtuples and dataclasses.
-- the optimizer keeps its identity: torch's AdamW/Adam becomes fastops' fused one in place (same object,
+- the optimizer keeps its identity: torch's AdamW/Adam/SGD becomes fastops' fused one in place (``fastops.optim.fuse_``) (same object,
   param_groups, state and step hooks, so every LR scheduler built on it keeps driving it), with ``step``/
   ``zero_grad`` replaced on the instance: they do nothing on the first k-1 micro-steps, and the real ``step``
   runs GradScaler step + update (fp16) and clipping (folded into the fused step, or fastops.clip_grad_norm_
@@ -82,8 +82,6 @@ __all__ = ["accelerate", "Accelerator"]
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 STRATEGIES = ("auto", "ddp", "fsdp", "none")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-# torch's classes as fastops' subclass them (fastops.patch() rebinds the torch.optim names to fastops').
-_FUSABLE = {cls.__bases__[-1]: cls for cls in (optim.AdamW, optim.Adam)}
 _CKPT_VERSION = 2  # 2: one RNG state per rank (1 held rank 0's only)
 _CKPT_READABLE = (1, 2)
 _OUTPUT_MARK = "fastops.accelerate"  # key in the grad_fn metadata of each hooked output: its Accelerator
@@ -558,8 +556,10 @@ class Accelerator:
             raise ValueError("fastops.Accelerator.prepare: prepare the model before (or together with) the optimizer")
         if self.strategy == "fsdp":
             self._repoint(opt)
-        self._fuse(opt)
-        if isinstance(opt, optim._FusedAdamMixin):
+        # torch's Adam/AdamW/SGD become fastops' in place (same object, so schedulers keep driving it); others
+        # (and torch optimizers fastops cannot take) stay as they are.
+        optim.fuse_(opt)
+        if isinstance(opt, optim._Fused):
             if self.grad_clip is not None:
                 opt.defaults["max_grad_norm"] = self.grad_clip
                 for group in opt.param_groups:
@@ -595,30 +595,6 @@ class Accelerator:
                         "FSDP cannot shard; create the optimizer from model.parameters()"
                     )
                 plist[i] = params[name]
-
-    def _fuse(self, opt: torch.optim.Optimizer) -> None:
-        """torch's Adam/AdamW (exactly those classes, not subclasses) become fastops' in place: the same object
-        with the same param_group dicts, state and hooks, its states moved to fp32 as fastops keeps them. It stays
-        torch's when fastops does not support its params or settings (float64 or sparse params, differentiable)."""
-        cls = _FUSABLE.get(type(opt))
-        if cls is None or opt.defaults.get("differentiable", False):
-            return
-        name = f"fastops.optim.{cls.__name__}"
-        try:
-            for group in opt.param_groups:
-                optim._check_group_params(group["params"], name)
-            optim._check_no_overlap([p for g in opt.param_groups for p in g["params"]], name)
-        except ValueError:
-            return
-        opt.__class__ = cls
-        opt._fastops_init(master_weights=False, max_grad_norm=None)
-        # torch wraps a class's step (step hooks, profiler) when the first instance is constructed; a class
-        # assigned without a constructor call gets the same here.
-        opt._patch_step_function()
-        # fastops' state layout (fp32 moments, float32 step tensor on the param's device), converted by the code
-        # that converts a torch state_dict loaded into a fastops optimizer.
-        opt._fastops_loading = [(p, dict(s)) for p, s in opt.state.items()]
-        cls._load_post_hook(opt)
 
     def _prepare_scheduler(self, scheduler):
         if self.optimizer is None:
@@ -984,7 +960,7 @@ def _step(opt: torch.optim.Optimizer, closure=None):
     if acc._raw:
         return cls.step(opt, closure)
     driven = acc._user_scaler is not None  # by the user's GradScaler (see Accelerator._give_way_to)
-    fused = isinstance(opt, optim._FusedAdamMixin)
+    fused = isinstance(opt, optim._Fused)
     if driven and acc.grad_clip is not None and not fused and getattr(opt, "grad_scale", None) is not None:
         raise RuntimeError(
             f"fastops.accelerate: grad_clip with your {type(acc._user_scaler).__name__} and a {type(opt).__name__}, "
