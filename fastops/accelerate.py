@@ -16,8 +16,9 @@ How the loop stays unchanged:
   ``scaler.scale(loss / k).backward()`` would, for any loss computed from the outputs. This holds for
   ``model(x)`` and ``model.forward(x)`` alike, and for outputs that are tensors, possibly nested in lists,
   tuples, dicts (HF ``ModelOutput``), namedtuples and dataclasses.
-- the optimizer keeps its identity: torch's AdamW/Adam/SGD becomes fastops' fused one in place (``fastops.optim.fuse_``) (same object,
-  param_groups, state and step hooks, so every LR scheduler built on it keeps driving it), with ``step``/
+- the optimizer keeps its identity: torch's AdamW/Adam/SGD becomes fastops' fused one in place
+  (``fastops.optim.fuse_``: same object, param_groups, state and step hooks, so every LR scheduler built on it
+  keeps driving it), with ``step``/
   ``zero_grad`` replaced on the instance: they do nothing on the first k-1 micro-steps, and the real ``step``
   runs GradScaler step + update (fp16) and clipping (folded into the fused step, or fastops.clip_grad_norm_
   after unscaling otherwise). A scheduler that is not prepared still advances on every ``step()`` call;
