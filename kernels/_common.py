@@ -228,3 +228,23 @@ def chunk_of(chunks, CHUNK: tl.constexpr):
     t = tl.load(chunks + 2 * pid)
     start = tl.multiple_of(tl.load(chunks + 2 * pid + 1) * CHUNK, CHUNK)
     return pid, t, start
+
+
+@triton.jit
+def table_ptr(row, col: tl.constexpr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Column ``col`` of a tensor-table row as a pointer to DTYPE. ALIGNED: every pointer of the table is
+    16-byte aligned (checked on the host), which is what lets the accesses vectorise."""
+    ptr = tl.load(row + col).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def scalar_value(ptr, value, FROM_PTR: tl.constexpr):
+    """A scalar argument as ``StepScalars``/``scalar_source`` hand it over: read through ``ptr`` (any floating
+    dtype, used as fp32) or ``value``."""
+    if FROM_PTR:
+        return tl.load(ptr).to(tl.float32)
+    else:
+        return value

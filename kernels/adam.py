@@ -22,7 +22,10 @@ import triton.language as tl
 
 from fastops._checks import check_adam_args
 
-from ._common import StepScalars, TL_DTYPE, block_sizes, chunk_of, device_scope, group_by_dtype, ld, round_to, st, tensor_table
+from ._common import (
+    StepScalars, TL_DTYPE, block_sizes, chunk_of, device_scope, group_by_dtype, ld, round_to, scalar_value, st, table_ptr,
+    tensor_table,
+)
 
 # Columns of the Adam tensor table.
 _P, _G, _M, _V, _VMAX, _MASTER, _STEP, _NUMEL = range(8)
@@ -120,32 +123,20 @@ def _adam_kernel(
     _, t, start = chunk_of(chunks, CHUNK)
     row = rows + t * 8
     numel = tl.load(row + 7)
-    p_ptr = tl.load(row + 0).to(tl.pointer_type(P_DTYPE))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(P_DTYPE))
-    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    vmax_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-    w_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-    if ALIGNED:
-        # Every pointer is 16-byte aligned (checked on the host), which is what lets the loads vectorise.
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        g_ptr = tl.multiple_of(g_ptr, 16)
-        m_ptr = tl.multiple_of(m_ptr, 16)
-        v_ptr = tl.multiple_of(v_ptr, 16)
-        vmax_ptr = tl.multiple_of(vmax_ptr, 16)
-        w_ptr = tl.multiple_of(w_ptr, 16)
+    p_ptr = table_ptr(row, 0, P_DTYPE, ALIGNED)
+    g_ptr = table_ptr(row, 1, P_DTYPE, ALIGNED)
+    m_ptr = table_ptr(row, 2, tl.float32, ALIGNED)
+    v_ptr = table_ptr(row, 3, tl.float32, ALIGNED)
+    vmax_ptr = table_ptr(row, 4, tl.float32, ALIGNED)
+    w_ptr = table_ptr(row, 5, tl.float32, ALIGNED)
     step = tl.load(tl.load(row + 6).to(tl.pointer_type(tl.float32)))
 
+    lr = scalar_value(lr_ptr, lr_value, LR_PTR)
     if LR_PTR:
-        lr = tl.load(lr_ptr).to(tl.float32)
         decay = tl.fma(-lr, weight_decay, 1.0)
     else:
-        lr = lr_value
         decay = decay_value
-    if SCALE == 2:
-        scale = tl.load(scale_ptr).to(tl.float32)
-    else:
-        scale = scale_value
+    scale = scalar_value(scale_ptr, scale_value, SCALE == 2)
     bc1 = _one_minus_pow(log_beta1, step)
     bc2 = _one_minus_pow(log_beta2, step)
     neg_step_size = -tl.div_rn(lr, bc1)

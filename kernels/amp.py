@@ -15,7 +15,8 @@ import triton.language as tl
 from fastops._checks import check_found_inf, check_grads
 
 from ._common import (
-    FLOAT32_MAX, TL_DTYPE, block_sizes, chunk_of, device_scope, group_by_dtype, ld, round_to, scalar_source, st, tensor_table,
+    FLOAT32_MAX, TL_DTYPE, block_sizes, chunk_of, device_scope, group_by_dtype, ld, round_to, scalar_source, scalar_value,
+    st, table_ptr, tensor_table,
 )
 
 _GRAD_COLS = 2  # data_ptr, numel
@@ -28,9 +29,7 @@ def _grad_table(grads, idx, device, chunk):
 @triton.jit
 def _chunk_start(rows, chunks, CHUNK: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
     pid, t, start = chunk_of(chunks, CHUNK)
-    g_ptr = tl.load(rows + 2 * t).to(tl.pointer_type(G_DTYPE))
-    if ALIGNED:
-        g_ptr = tl.multiple_of(g_ptr, 16)
+    g_ptr = table_ptr(rows + 2 * t, 0, G_DTYPE, ALIGNED)
     numel = tl.load(rows + 2 * t + 1)
     return pid, g_ptr, start, numel
 
@@ -52,10 +51,7 @@ def _unscale_check_kernel(
     G_DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, INV_PTR: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     pid, g_ptr, start, numel = _chunk_start(rows, chunks, CHUNK, G_DTYPE, ALIGNED)
-    if INV_PTR:
-        inv = tl.load(inv_ptr).to(tl.float32)
-    else:
-        inv = inv_value
+    inv = scalar_value(inv_ptr, inv_value, INV_PTR)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
     if start + CHUNK <= numel:
         for off in range(0, CHUNK, BLOCK):
@@ -91,10 +87,7 @@ def _grad_stats_kernel(
     G_DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, INV_PTR: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     pid, g_ptr, start, numel = _chunk_start(rows, chunks, CHUNK, G_DTYPE, ALIGNED)
-    if INV_PTR:
-        inv = tl.load(inv_ptr).to(tl.float32)
-    else:
-        inv = inv_value
+    inv = scalar_value(inv_ptr, inv_value, INV_PTR)
     sq = tl.zeros([BLOCK], dtype=tl.float32)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     nan = tl.zeros([BLOCK], dtype=tl.int32)

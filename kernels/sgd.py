@@ -14,7 +14,10 @@ import triton.language as tl
 
 from fastops._checks import check_sgd_args
 
-from ._common import StepScalars, TL_DTYPE, block_sizes, chunk_of, device_scope, group_by_dtype, ld, round_to, st, tensor_table
+from ._common import (
+    StepScalars, TL_DTYPE, block_sizes, chunk_of, device_scope, group_by_dtype, ld, round_to, scalar_value, st, table_ptr,
+    tensor_table,
+)
 
 # Columns of the SGD tensor table: param, grad, momentum buffer and master pointers (0 when absent), numel.
 _SGD_COLS = 5
@@ -71,24 +74,12 @@ def _sgd_kernel(
     _, t, start = chunk_of(chunks, CHUNK)
     row = rows + t * 5
     numel = tl.load(row + 4)
-    p_ptr = tl.load(row + 0).to(tl.pointer_type(P_DTYPE))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(P_DTYPE))
-    b_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    w_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    if ALIGNED:
-        # Every pointer is 16-byte aligned (checked on the host), which is what lets the accesses vectorise.
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        g_ptr = tl.multiple_of(g_ptr, 16)
-        b_ptr = tl.multiple_of(b_ptr, 16)
-        w_ptr = tl.multiple_of(w_ptr, 16)
-    if LR_PTR:
-        neg_lr = -tl.load(lr_ptr).to(tl.float32)
-    else:
-        neg_lr = -lr_value
-    if SCALE == 2:
-        scale = tl.load(scale_ptr).to(tl.float32)
-    else:
-        scale = scale_value
+    p_ptr = table_ptr(row, 0, P_DTYPE, ALIGNED)
+    g_ptr = table_ptr(row, 1, P_DTYPE, ALIGNED)
+    b_ptr = table_ptr(row, 2, tl.float32, ALIGNED)
+    w_ptr = table_ptr(row, 3, tl.float32, ALIGNED)
+    neg_lr = -scalar_value(lr_ptr, lr_value, LR_PTR)
+    scale = scalar_value(scale_ptr, scale_value, SCALE == 2)
 
     if start + CHUNK <= numel:
         # Full chunk: no mask, so the accesses can be 16-byte vectors.

@@ -11,6 +11,14 @@ namespace cpu {
 
 enum class Dtype : int8_t { kFloat = 0, kBFloat16 = 1, kHalf = 2 };
 
+// How an optimizer kernel turns the stored grad into the one it uses: g / div with a grad_scale (div is the
+// scale, negated under maximize: -(g / s) == g / (-s) exactly), else g * sign (-1 under maximize).
+struct GradScaling {
+  float div;
+  float sign;
+  bool has_scale;
+};
+
 // Scalars of one adam_step_ call, already cast to fp32 the way torch's CPU ops cast Python scalars.
 struct AdamConsts {
   float lerp_weight;        // 1 - beta1
@@ -21,9 +29,7 @@ struct AdamConsts {
   float eps;
   float weight_decay;       // L2 (decoupled=false) coefficient; the kernel adds it only when l2 is set
   float decay;              // 1 - lr*wd when decoupled, else 1 (p*1 is exact, so it is always applied)
-  float grad_div;           // grad_scale, negated under maximize; used when has_scale
-  float grad_sign;          // -1 under maximize, else 1; used when !has_scale
-  bool has_scale;
+  GradScaling grad;
   bool l2;
   bool amsgrad;
 };
@@ -48,9 +54,7 @@ struct SgdConsts {
   float weight_decay;         // used when wd
   float momentum;
   float one_minus_dampening;  // fp32(1 - dampening in fp64), as torch passes alpha=1 - dampening
-  float grad_div;             // grad_scale, negated under maximize; used when has_scale
-  float grad_sign;            // -1 under maximize, else 1; used when !has_scale
-  bool has_scale;
+  GradScaling grad;
   bool wd;                    // weight_decay != 0
   int mom;                    // 0: no momentum, 1: first step (buf = grad), 2: buf = momentum*buf + (1-d)*grad
   bool nesterov;              // only with mom != 0

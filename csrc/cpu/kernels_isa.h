@@ -218,7 +218,7 @@ void adam_math(void* __restrict pv, const void* __restrict gv, float* __restrict
   const float w = c.lerp_weight, w_m1 = c.lerp_weight_m1;
   const uint32_t low_mask = c.lerp_low ? 0xffffffffu : 0u;
   const float beta2 = c.beta2, omb2 = c.one_minus_beta2, eps = c.eps;
-  const float wd = c.weight_decay, decay = c.decay, gdiv = c.grad_div, gsign = c.grad_sign;
+  const float wd = c.weight_decay, decay = c.decay, gdiv = c.grad.div, gsign = c.grad.sign;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float g0 = load_grad<kKind>(gv, i);
@@ -261,7 +261,7 @@ void adam_range(const AdamTensor& t, const AdamConsts& c, int64_t lo, int64_t hi
 }
 
 void adam(const AdamTensor& t, const AdamConsts& c, int64_t lo, int64_t hi) {
-  switch ((c.amsgrad ? 4 : 0) | (c.l2 ? 2 : 0) | (c.has_scale ? 1 : 0)) {
+  switch ((c.amsgrad ? 4 : 0) | (c.l2 ? 2 : 0) | (c.grad.has_scale ? 1 : 0)) {
     case 0: adam_range<false, false, false>(t, c, lo, hi); break;
     case 1: adam_range<false, false, true>(t, c, lo, hi); break;
     case 2: adam_range<false, true, false>(t, c, lo, hi); break;
@@ -283,7 +283,7 @@ template <int kKind, bool kScale, bool kWd, int kMom, bool kNest>
 void sgd_math(void* __restrict pv, const void* __restrict gv, float* __restrict buf, void* __restrict outv,
               int64_t n, const SgdConsts& c) {
   const float neg_lr = c.neg_lr, wd = c.weight_decay, mom = c.momentum, omd = c.one_minus_dampening;
-  const float gdiv = c.grad_div, gsign = c.grad_sign;
+  const float gdiv = c.grad.div, gsign = c.grad.sign;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float g0 = load_grad<kKind>(gv, i);
@@ -326,7 +326,7 @@ void sgd_dispatch(int code, const SgdTensor& t, const SgdConsts& c, int64_t lo, 
 }
 
 void sgd(const SgdTensor& t, const SgdConsts& c, int64_t lo, int64_t hi) {
-  const int code = (c.has_scale ? 1 : 0) | (c.wd ? 2 : 0) | (c.mom << 2) | (c.nesterov && c.mom ? 16 : 0);
+  const int code = (c.grad.has_scale ? 1 : 0) | (c.wd ? 2 : 0) | (c.mom << 2) | (c.nesterov && c.mom ? 16 : 0);
   sgd_dispatch(code, t, c, lo, hi);
 }
 

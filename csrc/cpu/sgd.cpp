@@ -3,7 +3,6 @@
 //
 // torch._fused_sgd_ runs one parallel region per tensor; a single region over a flat index space keeps both
 // threads busy through 100 small tensors as through one large one.
-#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include "cpu/host.h"
@@ -37,12 +36,7 @@ void sgd_step_(const std::vector<at::Tensor>& params, const std::vector<at::Tens
   c.one_minus_dampening = static_cast<float>(1 - dampening);
   c.mom = momentum == 0 ? 0 : (is_first_step ? 1 : 2);
   c.nesterov = nesterov && momentum != 0;
-  c.has_scale = grad_scale.has_value();
-  if (c.has_scale) {
-    const float s = static_cast<float>(read_scalar(*grad_scale));
-    c.grad_div = maximize ? -s : s;
-  }
-  c.grad_sign = maximize ? -1.0f : 1.0f;
+  c.grad = grad_scaling(grad_scale, maximize);
 
   const bool master = !master_params.empty();
   std::vector<SgdTensor> work(n);
@@ -56,12 +50,8 @@ void sgd_step_(const std::vector<at::Tensor>& params, const std::vector<at::Tens
     w.dtype = to_dtype(params[i].scalar_type());
   }
 
-  const FlatLayout layout(n, [&](size_t i) { return work[i].numel; });
   const KernelTable& k = kernels();
-  at::parallel_for(0, layout.units(), 1, [&](int64_t ub, int64_t ue) {
-    layout.for_each(ub * FlatLayout::kUnit, ue * FlatLayout::kUnit,
-                    [&](size_t i, int64_t b, int64_t e) { k.sgd(work[i], c, b, e); });
-  });
+  parallel_over(work, [&](const SgdTensor& t, int64_t b, int64_t e) { k.sgd(t, c, b, e); });
 }
 
 }  // namespace cpu

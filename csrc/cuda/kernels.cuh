@@ -122,6 +122,31 @@ namespace fastops {
 namespace cuda {
 namespace detail {
 
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls launch(TypeTag<T>{}) with T the storage type of kind, then returns cudaGetLastError()
+// (cudaErrorInvalidValue for a kind without one): the one place a launcher turns a ScalarKind into a type.
+template <class Launch>
+cudaError_t launch_for_kind(ScalarKind kind, const Launch& launch) {
+  switch (kind) {
+    case ScalarKind::kFloat32:
+      launch(TypeTag<float>{});
+      break;
+    case ScalarKind::kBFloat16:
+      launch(TypeTag<__nv_bfloat16>{});
+      break;
+    case ScalarKind::kFloat16:
+      launch(TypeTag<__half>{});
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 // Conversions between storage types and fp32. _rn: round to nearest even, as torch's casts. The 16-bit
 // types also convert from and to their bit patterns, which is how the 4-wide accesses move them.
 template <typename T>
