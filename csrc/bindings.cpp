@@ -13,6 +13,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
           py::arg("amsgrad"), py::arg("maximize"), py::arg("decoupled"), py::arg("grad_scale"),
           py::arg("found_inf"), py::call_guard<py::gil_scoped_release>());
+  cpp.def("sgd_step_", &fastops::cpu::sgd_step_, py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"),
+          py::arg("master_params"), py::arg("lr"), py::arg("weight_decay"), py::arg("momentum"),
+          py::arg("dampening"), py::arg("nesterov"), py::arg("maximize"), py::arg("is_first_step"),
+          py::arg("grad_scale"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>());
   cpp.def("unscale_check_", &fastops::cpu::unscale_check_, py::arg("grads"), py::arg("found_inf"),
           py::arg("inv_scale"), py::call_guard<py::gil_scoped_release>());
   cpp.def("grad_stats", &fastops::cpu::grad_stats, py::arg("grads"), py::arg("inv_scale") = py::none(),

@@ -15,6 +15,9 @@ void check_adam_args(const std::vector<at::Tensor>& params, const std::vector<at
                      const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                      const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& state_steps,
                      const std::vector<at::Tensor>& master_params, bool amsgrad);
+void check_sgd_args(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                    const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& master_params,
+                    double momentum);
 // op is the name used in the messages, e.g. "unscale_check_" -> "fastops.unscale_check_: ...".
 void check_grads(const std::vector<at::Tensor>& grads, const char* op);
 // A one-element floating tensor on `device` or the CPU (kernels read it through a pointer or on the host).
@@ -24,13 +27,19 @@ void check_found_inf(const at::Tensor& found_inf, const char* op, const at::Devi
 
 namespace cpu {
 
-// The three ops, with the positional signatures of fastops/reference.py (semantics: fastops/_ops.py).
+// The ops, with the positional signatures of fastops/reference.py (semantics: fastops/_ops.py).
 void adam_step_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                 const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                 const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& state_steps,
                 const std::vector<at::Tensor>& master_params, const at::Tensor& lr, double beta1, double beta2,
                 double eps, double weight_decay, bool amsgrad, bool maximize, bool decoupled,
                 const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
+
+void sgd_step_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+               const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& master_params,
+               const at::Tensor& lr, double weight_decay, double momentum, double dampening, bool nesterov,
+               bool maximize, bool is_first_step, const std::optional<at::Tensor>& grad_scale,
+               const std::optional<at::Tensor>& found_inf);
 
 void unscale_check_(const std::vector<at::Tensor>& grads, const at::Tensor& found_inf, const at::Tensor& inv_scale);
 

@@ -52,8 +52,28 @@ def check_like(
         raise RuntimeError(f"{prefix}{what} has strides {t.stride()} but {ref_what} has strides {ref.stride()}")
 
 
-def check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad) -> None:
+def _check_per_param(op: str, params, grads, lists: dict, fp32_states: tuple) -> None:
+    """One tensor of each list in ``lists`` per param; params dense floating tensors on one device; grads
+    like their params; the lists named in ``fp32_states`` (those present in ``lists``) fp32 tensors like
+    their params."""
     n = len(params)
+    for name, lst in lists.items():
+        if len(lst) != n:
+            raise RuntimeError(f"fastops.{op}: expected {n} {name} (one per param), got {len(lst)}")
+    for i, p in enumerate(params):
+        check_dense(p, f"params[{i}]")
+        if p.dtype not in _FLOAT:
+            raise RuntimeError(f"fastops.{op}: params[{i}] has dtype {p.dtype}; expected float32, bfloat16 or float16")
+        if p.device != params[0].device:
+            raise RuntimeError(f"fastops.{op}: params[{i}] is on {p.device} but params[0] is on {params[0].device}")
+        check_dense(grads[i], f"grads[{i}]")
+        check_like(grads[i], p, f"grads[{i}]", f"params[{i}]", None)
+        for name in fp32_states:
+            if name in lists:
+                check_like(lists[name][i], p, f"{name}[{i}]", f"params[{i}]", torch.float32)
+
+
+def check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad) -> None:
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "state_steps": state_steps}
     if amsgrad:
         lists["max_exp_avg_sqs"] = max_exp_avg_sqs
@@ -61,27 +81,13 @@ def check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state
         raise RuntimeError("fastops.adam_step_: max_exp_avg_sqs must be empty when amsgrad=False")
     if len(master_params):
         lists["master_params"] = master_params
-    for name, lst in lists.items():
-        if len(lst) != n:
-            raise RuntimeError(f"fastops.adam_step_: expected {n} {name} (one per param), got {len(lst)}")
-    for i, p in enumerate(params):
-        check_dense(p, f"params[{i}]")
-        if p.dtype not in _FLOAT:
-            raise RuntimeError(f"fastops.adam_step_: params[{i}] has dtype {p.dtype}; expected float32, bfloat16 or float16")
-        if p.device != params[0].device:
-            raise RuntimeError(f"fastops.adam_step_: params[{i}] is on {p.device} but params[0] is on {params[0].device}")
-        check_dense(grads[i], f"grads[{i}]")
-        check_like(grads[i], p, f"grads[{i}]", f"params[{i}]", None)
-        for name in ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "master_params"):
-            if name in lists:
-                check_like(lists[name][i], p, f"{name}[{i}]", f"params[{i}]", torch.float32)
-        s = state_steps[i]
+    _check_per_param("adam_step_", params, grads, lists, ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "master_params"))
+    for i, s in enumerate(state_steps):
         if s.numel() != 1 or s.dtype != torch.float32:
             raise RuntimeError(f"fastops.adam_step_: state_steps[{i}] must be a float32 tensor with one element")
 
 
 def check_sgd_args(params, grads, momentum_buffers, master_params, momentum) -> None:
-    n = len(params)
     lists = {"grads": grads}
     if momentum != 0:
         lists["momentum_buffers"] = momentum_buffers
@@ -89,20 +95,7 @@ def check_sgd_args(params, grads, momentum_buffers, master_params, momentum) -> 
         raise RuntimeError("fastops.sgd_step_: momentum_buffers must be empty when momentum=0")
     if len(master_params):
         lists["master_params"] = master_params
-    for name, lst in lists.items():
-        if len(lst) != n:
-            raise RuntimeError(f"fastops.sgd_step_: expected {n} {name} (one per param), got {len(lst)}")
-    for i, p in enumerate(params):
-        check_dense(p, f"params[{i}]")
-        if p.dtype not in _FLOAT:
-            raise RuntimeError(f"fastops.sgd_step_: params[{i}] has dtype {p.dtype}; expected float32, bfloat16 or float16")
-        if p.device != params[0].device:
-            raise RuntimeError(f"fastops.sgd_step_: params[{i}] is on {p.device} but params[0] is on {params[0].device}")
-        check_dense(grads[i], f"grads[{i}]")
-        check_like(grads[i], p, f"grads[{i}]", f"params[{i}]", None)
-        for name in ("momentum_buffers", "master_params"):
-            if name in lists:
-                check_like(lists[name][i], p, f"{name}[{i}]", f"params[{i}]", torch.float32)
+    _check_per_param("sgd_step_", params, grads, lists, ("momentum_buffers", "master_params"))
 
 
 def check_grads(grads, op: str) -> None:

@@ -5,7 +5,9 @@ run compiled; on CPU tensors only under ``TRITON_INTERPRET=1`` (set before trito
 how they are tested on machines without a GPU.
 """
 
-from .adam import TABLES, adam_step_
+from ._common import TABLES
+from .adam import adam_step_
 from .amp import grad_stats, unscale_check_
+from .sgd import sgd_step_
 
-__all__ = ["adam_step_", "unscale_check_", "grad_stats", "TABLES"]
+__all__ = ["adam_step_", "sgd_step_", "unscale_check_", "grad_stats", "TABLES"]

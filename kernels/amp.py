@@ -14,27 +14,22 @@ import triton.language as tl
 
 from fastops._checks import check_found_inf, check_grads
 
-from .adam import FLOAT32_MAX, TABLES, _ld, _round_to, _st, block_sizes, device_scope, group_by_dtype, scalar_source
+from ._common import (
+    FLOAT32_MAX, TL_DTYPE, block_sizes, chunk_of, device_scope, group_by_dtype, ld, round_to, scalar_source, scalar_value,
+    st, table_ptr, tensor_table,
+)
 
-_TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _GRAD_COLS = 2  # data_ptr, numel
 
 
 def _grad_table(grads, idx, device, chunk):
-    flat: list[int] = []
-    for i in idx:
-        flat += (grads[i].data_ptr(), grads[i].numel())
-    return TABLES.get(("grads", device, chunk, tuple(flat)), flat, _GRAD_COLS, chunk, device)
+    return tensor_table("grads", device, chunk, idx, lambda i: (grads[i].data_ptr(), grads[i].numel()), _GRAD_COLS)
 
 
 @triton.jit
 def _chunk_start(rows, chunks, CHUNK: tl.constexpr, G_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    t = tl.load(chunks + 2 * pid)
-    start = tl.multiple_of(tl.load(chunks + 2 * pid + 1) * CHUNK, CHUNK)
-    g_ptr = tl.load(rows + 2 * t).to(tl.pointer_type(G_DTYPE))
-    if ALIGNED:
-        g_ptr = tl.multiple_of(g_ptr, 16)
+    pid, t, start = chunk_of(chunks, CHUNK)
+    g_ptr = table_ptr(rows + 2 * t, 0, G_DTYPE, ALIGNED)
     numel = tl.load(rows + 2 * t + 1)
     return pid, g_ptr, start, numel
 
@@ -42,11 +37,11 @@ def _chunk_start(rows, chunks, CHUNK: tl.constexpr, G_DTYPE: tl.constexpr, ALIGN
 @triton.jit
 def _unscale_block(g_ptr, offs, numel, inv, bad, G_DTYPE: tl.constexpr, EVEN: tl.constexpr):
     mask = offs < numel
-    x = _ld(g_ptr, offs, mask, EVEN).to(tl.float32)
+    x = ld(g_ptr, offs, mask, EVEN).to(tl.float32)
     # The check is on the grad as it came in, as torch's AMP kernel does; masked lanes load 0.
     bad = tl.where(tl.abs(x) <= FLOAT32_MAX, bad, 1)
     # fp32 multiply, one rounding to the grad's dtype.
-    _st(g_ptr, offs, _round_to(x * inv, G_DTYPE), mask, EVEN)
+    st(g_ptr, offs, round_to(x * inv, G_DTYPE), mask, EVEN)
     return bad
 
 
@@ -56,10 +51,7 @@ def _unscale_check_kernel(
     G_DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, INV_PTR: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     pid, g_ptr, start, numel = _chunk_start(rows, chunks, CHUNK, G_DTYPE, ALIGNED)
-    if INV_PTR:
-        inv = tl.load(inv_ptr).to(tl.float32)
-    else:
-        inv = inv_value
+    inv = scalar_value(inv_ptr, inv_value, INV_PTR)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
     if start + CHUNK <= numel:
         for off in range(0, CHUNK, BLOCK):
@@ -75,7 +67,7 @@ def _unscale_check_kernel(
 @triton.jit
 def _stats_block(g_ptr, offs, numel, inv, sq, amax, nan, bad, EVEN: tl.constexpr):
     mask = offs < numel
-    x = _ld(g_ptr, offs, mask, EVEN).to(tl.float32)
+    x = ld(g_ptr, offs, mask, EVEN).to(tl.float32)
     # The inf/nan check is on the grad as it is; the norm is of the unscaled grad, unscaled before
     # squaring (a scaled fp32 grad above 1.8e19 would square to inf).
     bad = tl.where(tl.abs(x) <= FLOAT32_MAX, bad, 1)
@@ -95,10 +87,7 @@ def _grad_stats_kernel(
     G_DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, INV_PTR: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     pid, g_ptr, start, numel = _chunk_start(rows, chunks, CHUNK, G_DTYPE, ALIGNED)
-    if INV_PTR:
-        inv = tl.load(inv_ptr).to(tl.float32)
-    else:
-        inv = inv_value
+    inv = scalar_value(inv_ptr, inv_value, INV_PTR)
     sq = tl.zeros([BLOCK], dtype=tl.float32)
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     nan = tl.zeros([BLOCK], dtype=tl.int32)
@@ -166,7 +155,7 @@ def _unscale_check(grads, found_inf, inv_scale, scalars_on_host: bool = False):
                 continue
             _unscale_check_kernel[(table.n_chunks,)](
                 table.rows, table.chunks, found_inf, table.rows if inv_t is None else inv_t, inv_value,
-                G_DTYPE=_TL_DTYPE[dtype], CHUNK=chunk, BLOCK=block, INV_PTR=inv_t is not None,
+                G_DTYPE=TL_DTYPE[dtype], CHUNK=chunk, BLOCK=block, INV_PTR=inv_t is not None,
                 ALIGNED=table.aligned, num_warps=num_warps, enable_fp_fusion=False,
             )  # fmt: skip
 
@@ -200,7 +189,7 @@ def _grad_stats(grads, inv_scale=None, scalars_on_host: bool = False):
                 continue
             _grad_stats_kernel[(table.n_chunks,)](
                 table.rows, table.chunks, partials, first, table.rows if inv_t is None else inv_t, inv_value,
-                G_DTYPE=_TL_DTYPE[dtype], CHUNK=chunk, BLOCK=block, INV_PTR=inv_t is not None,
+                G_DTYPE=TL_DTYPE[dtype], CHUNK=chunk, BLOCK=block, INV_PTR=inv_t is not None,
                 ALIGNED=table.aligned, num_warps=num_warps, enable_fp_fusion=False,
             )  # fmt: skip
             first += table.n_chunks

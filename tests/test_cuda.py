@@ -11,7 +11,7 @@ import torch
 import fastops
 import fastops.amp as famp
 from fastops import _backend, reference
-from tests.test_ops import _assert_adam_close, adam_inputs
+from tests.test_ops import SGD_CONFIGS, _assert_adam_close, _assert_sgd_close, _sgd_args, _sgd_config_id, adam_inputs
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CUDA_BACKENDS = ("triton", "cuda", "reference")
@@ -38,6 +38,56 @@ def test_adam_step_matches_reference_on_cuda(cuda_backend, dtype, amsgrad, maste
     reference.adam_step_(*want)
     got = [[t.cpu() for t in a] if isinstance(a, list) else a for a in args]
     _assert_adam_close(got, want, dtype)
+
+
+def _to_cpu(args):
+    return [[t.cpu() for t in a] if isinstance(a, list) else (a.cpu() if isinstance(a, torch.Tensor) else a) for a in args]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("config", SGD_CONFIGS[1:5], ids=_sgd_config_id)
+def test_sgd_step_matches_reference_on_cuda(cuda_backend, dtype, config):
+    args = _to_cuda(_sgd_args([0, 1, 1023, 10**6 + 7], dtype, config, found_inf=torch.tensor([0.0])))
+    args[4] = torch.tensor(1e-2, device="cuda")  # device lr, read in-kernel
+    want = _to_cpu(args)
+    torch.ops.fastops.sgd_step_(*args)
+    reference.sgd_step_(*want)
+    _assert_sgd_close(_to_cpu(args), want, dtype)
+
+
+def test_sgd_step_found_inf_on_device_changes_nothing(cuda_backend):
+    args = _to_cuda(_sgd_args([1023, 5], torch.bfloat16, SGD_CONFIGS[3], found_inf=torch.tensor([1.0])))
+    before = _to_cpu(args)
+    torch.ops.fastops.sgd_step_(*args)
+    for got, want in zip(_to_cpu(args)[:4], before[:4]):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_sgd_step_never_syncs_and_replays_in_a_cuda_graph(backend):
+    with _backend.use("cuda", backend):
+        args = _to_cuda(_sgd_args([1000, 33], torch.float32, SGD_CONFIGS[2], found_inf=torch.tensor([0.0])))
+        args[4] = torch.tensor(1e-2, device="cuda")
+        want = _to_cpu(args)
+        torch.ops.fastops.sgd_step_(*args)  # warm: table built and cached, kernel compiled
+        reference.sgd_step_(*want)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            torch.ops.fastops.sgd_step_(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        reference.sgd_step_(*want)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph):
+            torch.ops.fastops.sgd_step_(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        for _ in range(3):
+            graph.replay()
+            reference.sgd_step_(*want)
+        _assert_sgd_close(_to_cpu(args), want, torch.float32)
 
 
 def test_optimizer_parity_with_torch_fused_on_cuda(cuda_backend):

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-import fastops  # noqa: F401  (registers the ops)
+import fastops  # (registers the ops)
 from fastops import _backend, reference
 
 ops = torch.ops.fastops
@@ -107,6 +107,172 @@ def test_adam_step_50_steps_match_reference(cpu_backend):
         ops.adam_step_(*args)
         reference.adam_step_(*want)
     _assert_adam_close(args, want, torch.float32)
+
+
+def sgd_inputs(sizes, dtype=torch.float32, momentum=0.9, master=False, seed=0, lr=None, weight_decay=0.0,
+               dampening=0.0, nesterov=False, maximize=False, first=False, scale=None, found_inf=None):
+    """Positional arguments of sgd_step_. lr defaults to a float64 CPU tensor (what torch's SGD holds for a
+    float lr is a Python float; a Tensor lr can be any floating dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    grads = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    bufs = [torch.randn(n, generator=g).mul_(0.1) for n in sizes] if momentum else []
+    masters = [p.float() + 1e-3 for p in params] if master else []
+    lr = torch.tensor(1e-2, dtype=torch.float64) if lr is None else lr
+    return [params, grads, bufs, masters, lr, weight_decay, momentum, dampening, nesterov, maximize, first, scale,
+            found_inf]  # fmt: skip
+
+
+def _assert_sgd_close(got, want, dtype, exact=False):
+    """params to TOL[dtype] (or bit for bit), momentum buffers and masters to the fp32 tolerance; grads untouched."""
+    for k in (0, 2, 3):  # params, momentum_buffers, master_params
+        for a, b in zip(got[k], want[k]):
+            r, t = TOL[dtype] if k == 0 else TOL[torch.float32]
+            if exact:
+                r = t = 0
+            torch.testing.assert_close(a, b, rtol=r, atol=t)
+    for a, b in zip(got[1], want[1]):
+        assert torch.equal(a, b), "grads are read-only"
+
+
+# (momentum, dampening, nesterov, weight_decay, maximize, is_first_step, master, grad_scale): each flag on and
+# off at least once with the others.
+SGD_CONFIGS = [
+    (0.0, 0.0, False, 0.0, False, False, False, None),
+    (0.9, 0.0, False, 0.0, False, False, False, None),
+    (0.9, 0.0, True, 1e-2, False, False, False, 8.0),
+    (0.9, 0.3, False, 1e-2, True, False, True, None),
+    (0.5, 0.1, True, 0.0, True, True, False, 64.0),
+    (0.9, 0.0, False, 1e-2, False, True, True, 2.0**-3),
+    (0.0, 0.0, False, 1e-2, True, False, True, 1024.0),
+]
+
+
+def _sgd_config_id(c):
+    return "mom{}-damp{}-nest{}-wd{}-max{}-first{}-master{}-scale{}".format(*[int(x) if isinstance(x, bool) else x for x in c])
+
+
+def _sgd_args(sizes, dtype, config, **kw):
+    mom, damp, nest, wd, maximize, first, master, scale = config
+    return sgd_inputs(sizes, dtype, mom, master, weight_decay=wd, dampening=damp, nesterov=nest, maximize=maximize,
+                      first=first, scale=None if scale is None else torch.tensor(scale), **kw)  # fmt: skip
+
+
+def _fma_on_both_sides():
+    """Whether the C++ kernels and torch's own CPU kernels both run with FMA: only then is fp32 bit-identical."""
+    mine = fastops._C.cpu_capability() if _backend._C is not None else "default"
+    return mine in ("avx2", "avx512") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("config", SGD_CONFIGS, ids=_sgd_config_id)
+def test_sgd_step_matches_reference(cpu_backend, dtype, config):
+    args = _sgd_args(_sizes(cpu_backend), dtype, config)
+    want = _clone(args)
+    ops.sgd_step_(*args)
+    reference.sgd_step_(*want)
+    # The C++ kernels place their FMAs where torch's vectorised ops do: bit for bit with FMA on both sides
+    # (measured: every config, dtype and size here). The Triton interpreter computes tl.fma unfused.
+    _assert_sgd_close(args, want, dtype, exact=cpu_backend == "cpp" and _fma_on_both_sides())
+
+
+def test_sgd_step_mixed_dtypes_and_float32_lr(cpu_backend):
+    parts = [_sgd_args([100, 3], dt, SGD_CONFIGS[3], seed=k, lr=torch.tensor(3e-2))
+             for k, dt in enumerate((torch.float32, torch.bfloat16, torch.float16))]  # fmt: skip
+    args = [sum((p[k] for p in parts), []) if isinstance(parts[0][k], list) else parts[0][k] for k in range(13)]
+    want = _clone(args)
+    ops.sgd_step_(*args)
+    reference.sgd_step_(*want)
+    _assert_sgd_close(args, want, torch.float16)
+
+
+@pytest.mark.parametrize("config", [SGD_CONFIGS[2], SGD_CONFIGS[3]], ids=_sgd_config_id)
+def test_sgd_step_30_steps_match_torch_sgd(cpu_backend, config):
+    """The op driven as torch.optim.SGD drives its for-loop (is_first_step on the first step), fp32, against
+    that for-loop itself."""
+    mom, damp, nest, wd, maximize, _, _, _ = config
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (1023, 1, 300)]
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    bufs = [torch.zeros_like(p) for p in params]
+    torch_opt = torch.optim.SGD(ref_params, lr=0.05, momentum=mom, dampening=damp, nesterov=nest, weight_decay=wd,
+                                maximize=maximize, foreach=False)  # fmt: skip
+    for step in range(30):
+        grads = [torch.randn(p.shape, generator=g) for p in params]
+        for p, gr in zip(ref_params, grads):
+            p.grad = gr.clone()
+        torch_opt.step()
+        ops.sgd_step_(params, grads, bufs, [], torch.tensor(0.05, dtype=torch.float64), wd, mom, damp, nest, maximize,
+                      step == 0, None, None)  # fmt: skip
+    exact = cpu_backend != "triton" and (cpu_backend == "reference" or _fma_on_both_sides())
+    for p, q, b in zip(params, ref_params, bufs):
+        tol = {} if not exact else {"rtol": 0, "atol": 0}
+        torch.testing.assert_close(p.detach(), q.detach(), **tol)
+        torch.testing.assert_close(b, torch_opt.state[q]["momentum_buffer"], **tol)
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["found_inf_cpu_tensor", "found_inf_on_device"])
+def test_sgd_step_found_inf_changes_nothing(cpu_backend, on_device):
+    # On CPU tensors both are CPU tensors; the Triton path that reads found_inf in the kernel is the default,
+    # the host read is forced through its scalars_on_host in test_triton_kernels.
+    args = _sgd_args([1023, 5], torch.bfloat16, SGD_CONFIGS[3], found_inf=torch.tensor([1.0] if on_device else 1.0))
+    before = _clone(args)
+    ops.sgd_step_(*args)
+    for got, want in zip(args[:4], before[:4]):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+def _sgd_bad_calls():
+    def with_(i, value, **kw):
+        args = sgd_inputs([4, 3], **kw)
+        args[i] = value(args) if callable(value) else value
+        return args
+
+    return {
+        "buffers without momentum": with_(2, [torch.zeros(4), torch.zeros(3)], momentum=0.0),
+        "one buffer short": with_(2, lambda a: a[2][:1]),
+        "one grad short": with_(1, lambda a: a[1][:1]),
+        "one master short": with_(3, lambda a: a[3][:1], master=True),
+        "bf16 buffer": with_(2, lambda a: [b.bfloat16() for b in a[2]]),
+        "buffer shape": with_(2, lambda a: [torch.zeros(5), a[2][1]]),
+        "buffer strides": [[torch.zeros(3, 2).t()], [torch.zeros(3, 2).t()], [torch.zeros(2, 3)]] + sgd_inputs([6])[3:],
+        "fp16 grad for fp32 param": with_(1, lambda a: [a[1][0].half(), a[1][1]]),
+        "int param": with_(0, lambda a: [torch.zeros(4, dtype=torch.int32), a[0][1]]),
+        "gapped param": with_(0, lambda a: [torch.zeros(8)[::2], a[0][1]]),
+        "fp16 master": with_(3, lambda a: [m.half() for m in a[3]], master=True),
+        "lr with two elements": with_(4, torch.tensor([0.1, 0.1])),
+        "integer grad_scale": with_(11, torch.tensor(2)),
+        "found_inf with two elements": with_(12, torch.zeros(2)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_sgd_bad_calls()))
+def test_sgd_step_bad_input_fails_alike(cpu_backend, case):
+    """The same message on every backend, word for word, and nothing written."""
+    with pytest.raises(RuntimeError) as ref_err:
+        reference.sgd_step_(*_sgd_bad_calls()[case])  # a fresh copy: clone() would make a gapped tensor dense
+    args = _sgd_bad_calls()[case]
+    before = _clone(args)
+    with pytest.raises(RuntimeError) as err:
+        ops.sgd_step_(*args)
+    assert str(err.value) == str(ref_err.value) and str(err.value).startswith("fastops")
+    for got, want in zip(args[:4], before[:4]):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+
+
+def test_sgd_step_under_torch_compile(cpu_backend):
+    args = sgd_inputs([7, 300], nesterov=True, weight_decay=0.1)
+    want = _clone(args)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(*a):
+        ops.sgd_step_(*a)
+
+    step(*args)
+    reference.sgd_step_(*want)
+    _assert_sgd_close(args, want, torch.float32)
 
 
 def _grads_with(sizes, dtype, poison=None, where="first", seed=0):
@@ -227,11 +393,20 @@ def _adam_sample_inputs():
     yield adam_inputs([5, 3], torch.bfloat16, amsgrad=True, master=True, scale=torch.tensor(2.0), found_inf=torch.tensor(0.0))
 
 
+def _sgd_sample_inputs():
+    yield sgd_inputs([7, 1, 0])
+    yield sgd_inputs([5, 3], momentum=0.0, weight_decay=0.1)
+    yield sgd_inputs([5, 3], torch.bfloat16, master=True, nesterov=True, first=True, scale=torch.tensor(2.0),
+                     found_inf=torch.tensor(0.0))
+
+
 @pytest.mark.parametrize("backend", ["cpp", "triton", "reference"])
 def test_opcheck(backend):
     with _backend.use("cpu", backend):
         for args in _adam_sample_inputs():
             torch.library.opcheck(ops.adam_step_.default, tuple(args))
+        for args in _sgd_sample_inputs():
+            torch.library.opcheck(ops.sgd_step_.default, tuple(args))
         torch.library.opcheck(ops.unscale_check_.default, (_grads_with([5, 3], torch.float16), torch.zeros(1), torch.tensor(0.5)))
         torch.library.opcheck(ops.grad_stats.default, (_grads_with([5, 0, 3], torch.bfloat16),))
         torch.library.opcheck(ops.grad_stats.default, (_grads_with([5, 3], torch.float32), torch.tensor(0.25)))
@@ -301,5 +476,5 @@ def test_info_command_lists_every_op():
     assert r.returncode == 0, r.stderr
     assert f"torch {torch.__version__}" in r.stdout and "triton" in r.stdout
     served = {tuple(line.split()) for line in r.stdout.splitlines() if "fastops::" in line}
-    for name in ("adam_step_", "unscale_check_", "grad_stats"):
+    for name in ("adam_step_", "sgd_step_", "unscale_check_", "grad_stats"):
         assert ("cpu", f"fastops::{name}", _backend.active("cpu")) in served, r.stdout

@@ -26,9 +26,12 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from fastops import reference  # noqa: E402
+from fastops.kernels import _common as kcommon  # noqa: E402
 from fastops.kernels import adam as kadam  # noqa: E402
 from fastops.kernels import amp as kamp  # noqa: E402
-from fastops.kernels.adam import _one_minus_pow, _round_to  # noqa: E402
+from fastops.kernels import sgd as ksgd  # noqa: E402
+from fastops.kernels._common import round_to  # noqa: E402
+from fastops.kernels.adam import _one_minus_pow  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = (0, 1, 1023, 5000)
@@ -58,8 +61,7 @@ def _clone(state):
     return [[t.clone() for t in lst] for lst in state]
 
 
-def _assert_adam_close(mine, ref, where):
-    names = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps", "master_params")
+def _assert_lists_close(names, mine, ref, where):
     for name, la, lb in zip(names, mine, ref):
         for i, (a, b) in enumerate(zip(la, lb)):
             what = f"{where}: {name}[{i}]"
@@ -72,9 +74,15 @@ def _assert_adam_close(mine, ref, where):
                 ulp = torch.finfo(a.dtype).eps * b.float().abs().clamp_min(torch.finfo(a.dtype).tiny)
                 assert ((a.float() - b.float()).abs() <= ulp).all(), what
             else:
-                # fp32: bias corrections in fp32 in the kernel against fp64 in the reference (<= 2.2e-7
-                # relative), fma where torch's CPU kernels fuse: measured max 2.4e-7 on |p| < 4.
+                # fp32: Adam's bias corrections in fp32 in the kernel against fp64 in the reference (<= 2.2e-7
+                # relative), fma where torch's CPU kernels fuse (the interpreter computes it unfused): measured
+                # max 2.4e-7 on |p| < 4.
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=what)
+
+
+def _assert_adam_close(mine, ref, where):
+    names = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps", "master_params")
+    _assert_lists_close(names, mine, ref, where)
 
 
 def _adam_both(state, lr, beta1, beta2, eps, wd, amsgrad, maximize, decoupled, grad_scale, found_inf, on_host, steps):
@@ -153,10 +161,10 @@ def test_adam_lr_as_float64_cpu_tensor_and_empty_lists():
 
 
 def test_adam_tables_are_cached(monkeypatch):
-    kadam.TABLES.clear()  # freed tensors' addresses come back, so an earlier test may hold a matching table
+    kcommon.TABLES.clear()  # freed tensors' addresses come back, so an earlier test may hold a matching table
     builds = []
-    real = kadam.build_table
-    monkeypatch.setattr(kadam, "build_table", lambda *a: builds.append(a) or real(*a))
+    real = kcommon.build_table
+    monkeypatch.setattr(kcommon, "build_table", lambda *a: builds.append(a) or real(*a))
     state = _state([torch.float32, torch.bfloat16], [100, 7], False, False, seed=1)
     lr = torch.tensor(1e-3, device=DEVICE)
     for _ in range(3):
@@ -166,13 +174,95 @@ def test_adam_tables_are_cached(monkeypatch):
 
 
 def test_table_cache_lru_bound():
-    cache = kadam.TableCache(capacity=4)
+    cache = kcommon.TableCache(capacity=4)
     dev = torch.device("cpu")
     ts = [torch.zeros(3) for _ in range(10)]
     for t in ts:
         flat = [t.data_ptr(), 3]
         cache.get(("grads", dev, 16384, tuple(flat)), flat, 2, 16384, dev)
     assert len(cache) == 4
+
+
+def _sgd_state(dtypes, sizes, momentum, master, seed):
+    g = torch.Generator().manual_seed(seed)
+    P, G, B, W = [], [], [], []
+    for dt, n in zip(dtypes, sizes):
+        w = torch.randn(n, generator=g)
+        P.append(w.to(dt))
+        G.append((torch.randn(n, generator=g) * 0.5).to(dt))
+        if momentum:
+            B.append(torch.randn(n, generator=g) * 0.1)
+        if master:
+            W.append(w.clone())
+    return [[t.to(DEVICE) for t in lst] for lst in (P, G, B, W)]
+
+
+def _assert_sgd_close(mine, ref, where):
+    _assert_lists_close(("params", "grads", "momentum_buffers", "master_params"), mine, ref, where)
+
+
+# (momentum, dampening, nesterov, weight_decay, maximize, master): each flag on and off with the others.
+SGD_FLAG_SETS = [
+    (0.0, 0.0, False, 0.0, False, False),
+    (0.9, 0.0, False, 0.0, False, False),
+    (0.9, 0.0, True, 0.1, False, False),
+    (0.9, 0.3, False, 0.1, True, True),
+    (0.5, 0.1, True, 0.0, True, True),
+    (0.0, 0.0, False, 0.1, True, True),
+]
+
+
+def _sgd_both(state, flags, lr, grad_scale, found_inf, on_host, first_steps):
+    """Runs the kernel and the reference from the same state, one step per entry of ``first_steps``."""
+    mom, damp, nest, wd, maximize, _ = flags
+    mine, ref = _clone(state), _clone(state)
+    for first in first_steps:
+        fa = None if found_inf is None else found_inf.clone()
+        fb = None if found_inf is None else found_inf.clone()
+        ksgd._sgd_step(*mine, lr, wd, mom, damp, nest, maximize, first, grad_scale, fa, scalars_on_host=on_host)
+        reference.sgd_step_(*ref, lr, wd, mom, damp, nest, maximize, first, grad_scale, fb)
+    return mine, ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("flags", SGD_FLAG_SETS, ids=lambda f: "mom{}-damp{}-nest{:d}-wd{}-max{:d}-master{:d}".format(*f))
+@pytest.mark.parametrize("scalars", SCALAR_SETS, ids=lambda s: f"scale{s[0]}-inf{s[1]}-host{int(s[2])}")
+def test_sgd_matches_reference(dtype, flags, scalars):
+    gs, fi, on_host = scalars
+    state = _sgd_state([dtype] * len(SIZES), SIZES, flags[0] != 0, flags[5], seed=7)
+    dev = "cpu" if on_host else DEVICE
+    lr = torch.tensor(1e-2, device=dev)
+    grad_scale = None if gs is None else torch.tensor(gs, device=dev)
+    found_inf = None if fi is None else torch.tensor([fi], device=dev)
+    # With momentum: torch's first step (buf = grad), then a step that reads the buffer.
+    first_steps = (True, False) if flags[0] else (False,)
+    mine, ref = _sgd_both(state, flags, lr, grad_scale, found_inf, on_host, first_steps)
+    _assert_sgd_close(mine, ref, f"{dtype} {flags} {scalars}")
+
+
+@pytest.mark.parametrize("on_host", [False, True])
+@pytest.mark.parametrize("first", [False, True])
+def test_sgd_found_inf_changes_nothing(on_host, first):
+    state = _sgd_state([torch.float32, torch.bfloat16, torch.float16, torch.float32], SIZES, True, True, seed=3)
+    dev = "cpu" if on_host else DEVICE
+    mine = _clone(state)
+    ksgd._sgd_step(*mine, torch.tensor(1e-2, device=dev), 0.1, 0.9, 0.0, True, False, first,
+                   torch.tensor(2.0, device=dev), torch.tensor([1.0], device=dev), scalars_on_host=on_host)  # fmt: skip
+    for la, lb in zip(mine, state):
+        for a, b in zip(la, lb):
+            assert torch.equal(a, b)
+
+
+def test_sgd_mixed_dtypes_multi_chunk_and_empty_lists():
+    # 70_000 elements: four full 16384-element chunks and a tail, next to tensors of other dtypes.
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.bfloat16, torch.float32]
+    sizes = [1023, 5000, 1, 70_000, 70_000]
+    for flags in (SGD_FLAG_SETS[3], SGD_FLAG_SETS[2]):
+        state = _sgd_state(dtypes, sizes, True, flags[5], seed=11)
+        mine, ref = _sgd_both(state, flags, torch.tensor(3e-3, dtype=torch.float64, device=DEVICE),
+                              torch.tensor(512.0, device=DEVICE), torch.tensor([0.0], device=DEVICE), False, (False,))  # fmt: skip
+        _assert_sgd_close(mine, ref, f"mixed {flags}")
+    ksgd.sgd_step_([], [], [], [], torch.tensor(0.1), 0.0, 0.9, 0.0, False, False, False, None, None)
 
 
 def _grads(dtypes, sizes, poison, seed):
@@ -256,7 +346,7 @@ def test_grad_stats_edges():
 def _round_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    tl.store(y_ptr + offs, _round_to(tl.load(x_ptr + offs, mask=mask), tl.bfloat16), mask=mask)
+    tl.store(y_ptr + offs, round_to(tl.load(x_ptr + offs, mask=mask), tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -292,7 +382,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from fastops.kernels import adam as A, amp as M
+    from fastops.kernels import adam as A, amp as M, sgd as S
 
     def compile_(fn, sig, consts):
         sig = dict(sig, **{k: "constexpr" for k in consts})
@@ -323,6 +413,18 @@ _COMPILE_SCRIPT = textwrap.dedent(
                          dict(G_DTYPE=dt, CHUNK=16384, BLOCK=1024, INV_PTR=ip, ALIGNED=aligned))
         assert (ld > 0) == aligned, (dt, aligned, ld)
     compile_(M._grad_stats_reduce_kernel, {"partials": "*fp32", "out": "*fp32", "n": "i32"}, dict(BLOCK=1024))
+    sgd_sig = {"rows": "*i64", "chunks": "*i64", "lr_ptr": "*fp32", "lr_value": "fp32", "scale_ptr": "*fp32",
+               "scale_value": "fp32", "found_inf_ptr": "*fp32", "weight_decay": "fp32", "momentum": "fp32",
+               "one_minus_dampening": "fp32"}
+    # (MOMENTUM, NESTEROV, MASTER, SCALE, FOUND_INF, LR_PTR, WD, MAXIMIZE): every constexpr both ways somewhere.
+    sgd_sets = [(0, False, False, 2, True, True, True, True), (1, True, True, 1, False, False, False, False),
+                (2, False, False, 0, True, False, True, False), (2, True, True, 2, False, True, False, True)]
+    for dt, aligned, (mom, nest, master, scale, inf, lrp, wd, mx) in itertools.product(
+            [tl.float32, tl.bfloat16, tl.float16], [False, True], sgd_sets):
+        c = dict(P_DTYPE=dt, CHUNK=16384, BLOCK=1024, LR_PTR=lrp, SCALE=scale, FOUND_INF=inf, MAXIMIZE=mx, WD=wd,
+                 MOMENTUM=mom, NESTEROV=nest, MASTER=master, ALIGNED=aligned)
+        ld, st = compile_(S._sgd_kernel, sgd_sig, c)
+        assert (ld > 0 and st > 0) == aligned, (c, ld, st)
     print("ok")
     """
 )

@@ -5,7 +5,6 @@
 // is what wins for many tensors; at memory bandwidth both move the same 28 bytes per fp32 param.
 #include <cmath>
 
-#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include "cpu/host.h"
@@ -44,12 +43,7 @@ void adam_step_(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   c.weight_decay = static_cast<float>(weight_decay);
   c.decay = (weight_decay != 0 && decoupled) ? static_cast<float>(1 - lr_v * weight_decay) : 1.0f;
   c.amsgrad = amsgrad;
-  c.has_scale = grad_scale.has_value();
-  if (c.has_scale) {
-    const float s = static_cast<float>(read_scalar(*grad_scale));
-    c.grad_div = maximize ? -s : s;
-  }
-  c.grad_sign = maximize ? -1.0f : 1.0f;
+  c.grad = grad_scaling(grad_scale, maximize);
 
   const bool master = !master_params.empty();
   std::vector<AdamTensor> work(n);
@@ -80,12 +74,8 @@ void adam_step_(const std::vector<at::Tensor>& params, const std::vector<at::Ten
     w.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   }
 
-  const FlatLayout layout(n, [&](size_t i) { return work[i].numel; });
   const KernelTable& k = kernels();
-  at::parallel_for(0, layout.units(), 1, [&](int64_t ub, int64_t ue) {
-    layout.for_each(ub * FlatLayout::kUnit, ue * FlatLayout::kUnit,
-                    [&](size_t i, int64_t b, int64_t e) { k.adam(work[i], c, b, e); });
-  });
+  parallel_over(work, [&](const AdamTensor& t, int64_t b, int64_t e) { k.adam(t, c, b, e); });
 }
 
 }  // namespace cpu

@@ -1,6 +1,7 @@
 // TORCH_CHECK versions of fastops/_checks.py. The messages spell shapes, strides, dtypes and devices the
 // way Python prints them ("(4,)", "torch.float32", "cuda:0"); they are built only when a check fails.
 #include <cctype>
+#include <initializer_list>
 #include <sstream>
 #include <string>
 
@@ -80,60 +81,81 @@ void check_like(const at::Tensor& t, const at::Tensor& ref, const char* what, si
 
 std::string indexed(const char* name, size_t i) { return std::string(name) + "[" + std::to_string(i) + "]"; }
 
+inline bool dense_fast(const at::Tensor& t) {
+  return t.layout() == at::kStrided && !t.is_complex() && (t.is_contiguous() || t.is_non_overlapping_and_dense());
+}
+
+struct Named {
+  const char* name;
+  const std::vector<at::Tensor>* list;  // null: not part of this call (amsgrad off, no master params)
+  bool fp32_state;                      // one fp32 tensor per param, shaped and strided like it
+};
+
+// _checks._check_per_param: the list lengths, then per param its dtype and device, its grad, its fp32 states.
+void check_per_param(const char* op, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                     std::initializer_list<Named> lists) {
+  const size_t n = params.size();
+  for (const auto& l : lists) {
+    if (l.list == nullptr) continue;
+    TORCH_CHECK(l.list->size() == n, "fastops.", op, ": expected ", n, " ", l.name, " (one per param), got ",
+                l.list->size());
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    // check_dense builds its `what` string eagerly; skip it on the fast path.
+    if (!dense_fast(p)) check_dense(p, indexed("params", i));
+    TORCH_CHECK(is_float(p.scalar_type()), "fastops.", op, ": params[", i, "] has dtype ", py_dtype(p.scalar_type()),
+                "; expected float32, bfloat16 or float16");
+    TORCH_CHECK(p.device() == params[0].device(), "fastops.", op, ": params[", i, "] is on ", p.device().str(),
+                " but params[0] is on ", params[0].device().str());
+    const at::Tensor& g = grads[i];
+    if (!dense_fast(g)) check_dense(g, indexed("grads", i));
+    check_like(g, p, "grads", i, "params", at::ScalarType::Undefined);
+    for (const auto& l : lists) {
+      if (l.list != nullptr && l.fp32_state) check_like((*l.list)[i], p, l.name, i, "params", at::kFloat);
+    }
+  }
+}
+
 }  // namespace
 
 void check_adam_args(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                      const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                      const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& state_steps,
                      const std::vector<at::Tensor>& master_params, bool amsgrad) {
-  const size_t n = params.size();
   TORCH_CHECK(amsgrad || max_exp_avg_sqs.empty(),
               "fastops.adam_step_: max_exp_avg_sqs must be empty when amsgrad=False");
-  const bool master = !master_params.empty();
-  struct Named {
-    const char* name;
-    const std::vector<at::Tensor>* list;
-  };
   // Same order as the dict in _checks.check_adam_args.
-  const Named lists[] = {{"grads", &grads},
-                         {"exp_avgs", &exp_avgs},
-                         {"exp_avg_sqs", &exp_avg_sqs},
-                         {"state_steps", &state_steps},
-                         {"max_exp_avg_sqs", amsgrad ? &max_exp_avg_sqs : nullptr},
-                         {"master_params", master ? &master_params : nullptr}};
-  for (const auto& l : lists) {
-    if (l.list == nullptr) continue;
-    TORCH_CHECK(l.list->size() == n, "fastops.adam_step_: expected ", n, " ", l.name, " (one per param), got ",
-                l.list->size());
-  }
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = params[i];
-    // check_dense builds its `what` string eagerly; skip it on the fast path.
-    if (!(p.layout() == at::kStrided && !p.is_complex() && (p.is_contiguous() || p.is_non_overlapping_and_dense())))
-      check_dense(p, indexed("params", i));
-    TORCH_CHECK(is_float(p.scalar_type()), "fastops.adam_step_: params[", i, "] has dtype ",
-                py_dtype(p.scalar_type()), "; expected float32, bfloat16 or float16");
-    TORCH_CHECK(p.device() == params[0].device(), "fastops.adam_step_: params[", i, "] is on ", p.device().str(),
-                " but params[0] is on ", params[0].device().str());
-    const at::Tensor& g = grads[i];
-    if (!(g.layout() == at::kStrided && !g.is_complex() && (g.is_contiguous() || g.is_non_overlapping_and_dense())))
-      check_dense(g, indexed("grads", i));
-    check_like(g, p, "grads", i, "params", at::ScalarType::Undefined);
-    check_like(exp_avgs[i], p, "exp_avgs", i, "params", at::kFloat);
-    check_like(exp_avg_sqs[i], p, "exp_avg_sqs", i, "params", at::kFloat);
-    if (amsgrad) check_like(max_exp_avg_sqs[i], p, "max_exp_avg_sqs", i, "params", at::kFloat);
-    if (master) check_like(master_params[i], p, "master_params", i, "params", at::kFloat);
+  check_per_param("adam_step_", params, grads,
+                  {{"grads", &grads, false},
+                   {"exp_avgs", &exp_avgs, true},
+                   {"exp_avg_sqs", &exp_avg_sqs, true},
+                   {"state_steps", &state_steps, false},
+                   {"max_exp_avg_sqs", amsgrad ? &max_exp_avg_sqs : nullptr, true},
+                   {"master_params", master_params.empty() ? nullptr : &master_params, true}});
+  for (size_t i = 0; i < state_steps.size(); ++i) {
     const at::Tensor& s = state_steps[i];
     TORCH_CHECK(s.numel() == 1 && s.scalar_type() == at::kFloat, "fastops.adam_step_: state_steps[", i,
                 "] must be a float32 tensor with one element");
   }
 }
 
+void check_sgd_args(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                    const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& master_params,
+                    double momentum) {
+  TORCH_CHECK(momentum != 0 || momentum_buffers.empty(),
+              "fastops.sgd_step_: momentum_buffers must be empty when momentum=0");
+  // Same order as the dict in _checks.check_sgd_args.
+  check_per_param("sgd_step_", params, grads,
+                  {{"grads", &grads, false},
+                   {"momentum_buffers", momentum != 0 ? &momentum_buffers : nullptr, true},
+                   {"master_params", master_params.empty() ? nullptr : &master_params, true}});
+}
+
 void check_grads(const std::vector<at::Tensor>& grads, const char* op) {
   for (size_t i = 0; i < grads.size(); ++i) {
     const at::Tensor& g = grads[i];
-    if (!(g.layout() == at::kStrided && !g.is_complex() && (g.is_contiguous() || g.is_non_overlapping_and_dense())))
-      check_dense(g, indexed("grads", i));
+    if (!dense_fast(g)) check_dense(g, indexed("grads", i));
     TORCH_CHECK(is_float(g.scalar_type()), "fastops.", op, ": grads[", i, "] has dtype ", py_dtype(g.scalar_type()),
                 "; expected float32, bfloat16 or float16");
     TORCH_CHECK(g.device() == grads[0].device(), "fastops.", op, ": grads[", i, "] is on ", g.device().str(),

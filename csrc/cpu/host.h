@@ -3,8 +3,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
 #include "cpu/kernels.h"
@@ -27,6 +29,17 @@ inline double read_scalar(const at::Tensor& t) {
     if (t.scalar_type() == at::kDouble) return *static_cast<const double*>(t.const_data_ptr());
   }
   return t.item<double>();
+}
+
+inline GradScaling grad_scaling(const std::optional<at::Tensor>& grad_scale, bool maximize) {
+  GradScaling g{};
+  g.has_scale = grad_scale.has_value();
+  if (g.has_scale) {
+    const float s = static_cast<float>(read_scalar(*grad_scale));
+    g.div = maximize ? -s : s;
+  }
+  g.sign = maximize ? -1.0f : 1.0f;
+  return g;
 }
 
 // All tensors of a call laid end to end in one index space, each padded to a multiple of kAlign elements
@@ -66,6 +79,17 @@ struct FlatLayout {
     }
   }
 };
+
+// kernel(work[i], begin, end) over every element of every tensor of a call, in one at::parallel_for over a
+// FlatLayout of work[i].numel.
+template <class Work, class Kernel>
+void parallel_over(const std::vector<Work>& work, const Kernel& kernel) {
+  const FlatLayout layout(work.size(), [&](size_t i) { return work[i].numel; });
+  at::parallel_for(0, layout.units(), 1, [&](int64_t ub, int64_t ue) {
+    layout.for_each(ub * FlatLayout::kUnit, ue * FlatLayout::kUnit,
+                    [&](size_t i, int64_t b, int64_t e) { kernel(work[i], b, e); });
+  });
+}
 
 }  // namespace cpu
 }  // namespace fastops

@@ -11,6 +11,14 @@ namespace cpu {
 
 enum class Dtype : int8_t { kFloat = 0, kBFloat16 = 1, kHalf = 2 };
 
+// How an optimizer kernel turns the stored grad into the one it uses: g / div with a grad_scale (div is the
+// scale, negated under maximize: -(g / s) == g / (-s) exactly), else g * sign (-1 under maximize).
+struct GradScaling {
+  float div;
+  float sign;
+  bool has_scale;
+};
+
 // Scalars of one adam_step_ call, already cast to fp32 the way torch's CPU ops cast Python scalars.
 struct AdamConsts {
   float lerp_weight;        // 1 - beta1
@@ -21,9 +29,7 @@ struct AdamConsts {
   float eps;
   float weight_decay;       // L2 (decoupled=false) coefficient; the kernel adds it only when l2 is set
   float decay;              // 1 - lr*wd when decoupled, else 1 (p*1 is exact, so it is always applied)
-  float grad_div;           // grad_scale, negated under maximize; used when has_scale
-  float grad_sign;          // -1 under maximize, else 1; used when !has_scale
-  bool has_scale;
+  GradScaling grad;
   bool l2;
   bool amsgrad;
 };
@@ -42,6 +48,28 @@ struct AdamTensor {
   float bc2_sqrt;         // sqrt(1 - beta2^step), rounded to fp32 like the divisor of sqrt(v)
 };
 
+// Scalars of one sgd_step_ call, cast to fp32 as torch's CPU ops cast Python scalars.
+struct SgdConsts {
+  float neg_lr;               // -lr, the alpha of p.add_(grad, alpha=-lr)
+  float weight_decay;         // used when wd
+  float momentum;
+  float one_minus_dampening;  // fp32(1 - dampening in fp64), as torch passes alpha=1 - dampening
+  GradScaling grad;
+  bool wd;                    // weight_decay != 0
+  int mom;                    // 0: no momentum, 1: first step (buf = grad), 2: buf = momentum*buf + (1-d)*grad
+  bool nesterov;              // only with mom != 0
+};
+
+// One tensor of an sgd_step_ call. grad has the param's dtype; buf and master are fp32.
+struct SgdTensor {
+  void* param;
+  const void* grad;
+  float* buf;     // null without momentum
+  float* master;  // null when there are no master weights
+  int64_t numel;
+  Dtype dtype;
+};
+
 // Reduction partials of grad_stats over a range: sum of squares of the unscaled grads (fp32 within
 // blocks, blocks added in double) and the largest |x| of the grads as they are, as bits (IEEE order of non-negative floats is integer order, and every
 // inf/nan compares above 0x7f800000 - 1, so the same max gives max|g|, nan propagation and found_inf).
@@ -54,6 +82,7 @@ struct KernelTable {
   const char* name;
   // Updates elements [begin, end) of tensor t.
   void (*adam)(const AdamTensor& t, const AdamConsts& c, int64_t begin, int64_t end);
+  void (*sgd)(const SgdTensor& t, const SgdConsts& c, int64_t begin, int64_t end);
   // g[i] *= inv_scale for i in [0, n) when write; returns whether any element was inf or nan (read before
   // scaling, as torch's kernel checks them).
   bool (*unscale)(void* g, Dtype dt, int64_t n, float inv_scale, bool write);

@@ -125,6 +125,83 @@ inline void store_lp(Dtype dt, const float* src, uint16_t* dst, int64_t n) {
   if (dt == Dtype::kBFloat16) store_bf16(src, dst, n); else store_half(src, dst, n);
 }
 
+// ---- param/grad access shared by Adam and SGD ------------------------------------------------------------
+
+// What an update loop reads and writes besides its fp32 states (bf16 conversions are done in the loop;
+// fp16 params go through kF32 on staged fp32 blocks, since F16C conversions do not auto-vectorise).
+enum Kind : int {
+  kF32 = 0,         // p fp32, updated in place; g fp32
+  kF32Master = 1,   // p = fp32 master; g fp32; out (fp32 param) = p
+  kBF16 = 2,        // p bf16, updated in place; g bf16
+  kBF16Master = 3,  // p = fp32 master; g bf16; out (bf16 param) = round(p)
+};
+
+template <int kKind>
+struct KindTag {
+  static constexpr int value = kKind;
+};
+
+// Element i of the grad / the value being updated, and the stores of the result, for loop kind kKind.
+template <int kKind>
+inline float load_grad(const void* __restrict g, int64_t i) {
+  if constexpr (kKind == kBF16 || kKind == kBF16Master) return bf16_load(static_cast<const uint16_t*>(g)[i]);
+  else return static_cast<const float*>(g)[i];
+}
+template <int kKind>
+inline float load_param(const void* __restrict p, int64_t i) {
+  if constexpr (kKind == kBF16) return bf16_load(static_cast<const uint16_t*>(p)[i]);
+  else return static_cast<const float*>(p)[i];
+}
+template <int kKind>
+inline void store_param(void* __restrict p, void* __restrict out, int64_t i, float x) {
+  if constexpr (kKind == kBF16) static_cast<uint16_t*>(p)[i] = bf16_round(x);
+  else static_cast<float*>(p)[i] = x;
+  if constexpr (kKind == kF32Master) static_cast<float*>(out)[i] = x;
+  if constexpr (kKind == kBF16Master) static_cast<uint16_t*>(out)[i] = bf16_round(x);
+}
+
+// Calls body(KindTag<kKind>{}, p, g, out, off, n) over elements [lo, hi) of one tensor: p the values updated
+// (the master, or the param itself), g the grad, out the param written from p when p is the master, each
+// already offset to element off. fp16 params are converted a block at a time into fp32 in L1, updated as
+// kF32 and rounded once on the way back.
+template <class Body>
+void for_each_block(void* param, const void* grad, float* master, Dtype dt, int64_t lo, int64_t hi, const Body& body) {
+  const int64_t n = hi - lo;
+  if (n <= 0) return;
+  if (dt != Dtype::kHalf) {
+    const int64_t es = dt == Dtype::kFloat ? 4 : 2;  // param/grad element size
+    char* p = static_cast<char*>(param) + lo * es;
+    const char* g = static_cast<const char*>(grad) + lo * es;
+    // With master weights the param is write-only. Non-temporal stores for it (staged through L1) were
+    // measured here at 32M params (Adam): bf16 +3% with 2 threads and -2% with 1 (noise level), fp32 -16% to
+    // -24%, so the param is written with ordinary stores in the same loop.
+    if (dt == Dtype::kFloat) {
+      if (master) body(KindTag<kF32Master>{}, master + lo, g, p, lo, n);
+      else body(KindTag<kF32>{}, p, g, nullptr, lo, n);
+    } else {
+      if (master) body(KindTag<kBF16Master>{}, master + lo, g, p, lo, n);
+      else body(KindTag<kBF16>{}, p, g, nullptr, lo, n);
+    }
+    return;
+  }
+  const uint16_t* g16 = static_cast<const uint16_t*>(grad);
+  uint16_t* p16 = static_cast<uint16_t*>(param);
+  alignas(64) float gbuf[kBlock];
+  alignas(64) float pbuf[kBlock];
+  for (int64_t off = lo; off < hi; off += kBlock) {
+    const int64_t cnt = min64(kBlock, hi - off);
+    load_half(g16 + off, gbuf, cnt);
+    float* p = pbuf;
+    if (master) {
+      p = master + off;
+    } else {
+      load_half(p16 + off, pbuf, cnt);
+    }
+    body(KindTag<kF32>{}, p, gbuf, nullptr, off, cnt);
+    store_half(p, p16 + off, cnt);
+  }
+}
+
 // ---- Adam ---------------------------------------------------------------------------------------------
 // Per element, the operations, their order and their FMAs are those of fastops.reference.adam_step_
 // (torch's for-loop Adam) as torch's vectorised CPU kernels compute them: add(alpha) = fma(p, wd, g),
@@ -134,40 +211,21 @@ inline void store_lp(Dtype dt, const float* src, uint16_t* dst, int64_t n) {
 // sqrt_ goes through MKL's vsSqrt (not correctly rounded) while sqrtps is. Without FMA (default ISA) the
 // results differ from the reference by rounding, as torch's own default-capability kernels would.
 
-// What the loop reads and writes besides m and v (bf16 conversions are done in the loop; fp16 params
-// go through kF32 on staged fp32 blocks, since F16C conversions do not auto-vectorise).
-enum Kind : int {
-  kF32 = 0,         // p fp32, updated in place; g fp32
-  kF32Master = 1,   // p = fp32 master; g fp32; out (fp32 param) = p
-  kBF16 = 2,        // p bf16, updated in place; g bf16
-  kBF16Master = 3,  // p = fp32 master; g bf16; out (bf16 param) = round(p)
-};
-
 template <int kKind, bool kAms, bool kL2, bool kScale>
 void adam_math(void* __restrict pv, const void* __restrict gv, float* __restrict m, float* __restrict v,
                float* __restrict vmax, void* __restrict outv, int64_t n, const AdamConsts& c, float neg_step_size,
                float bc2_sqrt) {
-  constexpr bool kLowP = kKind == kBF16;
-  constexpr bool kLowG = kKind == kBF16 || kKind == kBF16Master;
-  float* __restrict pf = static_cast<float*>(pv);
-  uint16_t* __restrict pb = static_cast<uint16_t*>(pv);
-  const float* __restrict gf = static_cast<const float*>(gv);
-  const uint16_t* __restrict gb = static_cast<const uint16_t*>(gv);
-  float* __restrict of = static_cast<float*>(outv);
-  uint16_t* __restrict ob = static_cast<uint16_t*>(outv);
   const float w = c.lerp_weight, w_m1 = c.lerp_weight_m1;
   const uint32_t low_mask = c.lerp_low ? 0xffffffffu : 0u;
   const float beta2 = c.beta2, omb2 = c.one_minus_beta2, eps = c.eps;
-  const float wd = c.weight_decay, decay = c.decay, gdiv = c.grad_div, gsign = c.grad_sign;
+  const float wd = c.weight_decay, decay = c.decay, gdiv = c.grad.div, gsign = c.grad.sign;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    float g0;
-    if constexpr (kLowG) g0 = bf16_load(gb[i]); else g0 = gf[i];
+    const float g0 = load_grad<kKind>(gv, i);
     // -(g / s) == g / (-s) exactly, so maximize is folded into the divisor (or the sign when unscaled).
     float gi;
     if constexpr (kScale) gi = g0 / gdiv; else gi = g0 * gsign;
-    float pi;
-    if constexpr (kLowP) pi = bf16_load(pb[i]); else pi = pf[i];
+    float pi = load_param<kKind>(pv, i);
     if constexpr (kL2) gi = fmadd(pi, wd, gi);
     pi = pi * decay;
     float mi = m[i];
@@ -186,76 +244,24 @@ void adam_math(void* __restrict pv, const void* __restrict gv, float* __restrict
     }
     const float denom = __builtin_sqrtf(vu) / bc2_sqrt + eps;
     pi = pi + (neg_step_size * mi) / denom;
-    if constexpr (kLowP) pb[i] = bf16_round(pi); else pf[i] = pi;
-    if constexpr (kKind == kF32Master) of[i] = pi;
-    if constexpr (kKind == kBF16Master) ob[i] = bf16_round(pi);
+    store_param<kKind>(pv, outv, i, pi);
     m[i] = mi;
     v[i] = vi;
   }
 }
 
-template <int kKind, bool kAms, bool kL2, bool kScale>
-void adam_kind(const AdamTensor& t, const AdamConsts& c, int64_t lo, int64_t hi) {
-  const int64_t n = hi - lo;
-  constexpr int64_t es = kKind == kF32 || kKind == kF32Master ? 4 : 2;  // param/grad element size
-  char* param = static_cast<char*>(t.param) + lo * es;
-  const char* grad = static_cast<const char*>(t.grad) + lo * es;
-  float* m = t.exp_avg + lo;
-  float* v = t.exp_avg_sq + lo;
-  float* vm = kAms ? t.max_exp_avg_sq + lo : nullptr;
-  constexpr bool kMaster = kKind == kF32Master || kKind == kBF16Master;
-  float* p = kMaster ? t.master + lo : reinterpret_cast<float*>(param);
-  // With master weights the param is write-only. Non-temporal stores for it (staged through L1) were
-  // measured here at 32M params: bf16 +3% with 2 threads and -2% with 1 (noise level), fp32 -16% to -24%,
-  // so the param is written with ordinary stores in the same loop.
-  adam_math<kKind, kAms, kL2, kScale>(p, grad, m, v, vm, param, n, c, t.neg_step_size, t.bc2_sqrt);
-}
-
-// fp16 params: convert a block to fp32 in L1, update it as kF32/kF32Master, round once on the way back.
-template <bool kAms, bool kL2, bool kScale>
-void adam_half(const AdamTensor& t, const AdamConsts& c, int64_t lo, int64_t hi) {
-  const int64_t n = hi - lo;
-  const uint16_t* grad = static_cast<const uint16_t*>(t.grad) + lo;
-  uint16_t* param = static_cast<uint16_t*>(t.param) + lo;
-  float* m = t.exp_avg + lo;
-  float* v = t.exp_avg_sq + lo;
-  float* vm = kAms ? t.max_exp_avg_sq + lo : nullptr;
-  float* master = t.master ? t.master + lo : nullptr;
-  alignas(64) float gbuf[kBlock];
-  alignas(64) float pbuf[kBlock];
-  for (int64_t off = 0; off < n; off += kBlock) {
-    const int64_t cnt = min64(kBlock, n - off);
-    load_half(grad + off, gbuf, cnt);
-    float* p = pbuf;
-    if (master) {
-      p = master + off;
-    } else {
-      load_half(param + off, pbuf, cnt);
-    }
-    adam_math<kF32, kAms, kL2, kScale>(p, gbuf, m + off, v + off, kAms ? vm + off : nullptr, nullptr, cnt, c,
-                                       t.neg_step_size, t.bc2_sqrt);
-    store_half(p, param + off, cnt);
-  }
-}
-
 template <bool kAms, bool kL2, bool kScale>
 void adam_range(const AdamTensor& t, const AdamConsts& c, int64_t lo, int64_t hi) {
-  const bool master = t.master != nullptr;
-  switch (t.dtype) {
-    case Dtype::kFloat:
-      return master ? adam_kind<kF32Master, kAms, kL2, kScale>(t, c, lo, hi)
-                    : adam_kind<kF32, kAms, kL2, kScale>(t, c, lo, hi);
-    case Dtype::kBFloat16:
-      return master ? adam_kind<kBF16Master, kAms, kL2, kScale>(t, c, lo, hi)
-                    : adam_kind<kBF16, kAms, kL2, kScale>(t, c, lo, hi);
-    default:
-      return adam_half<kAms, kL2, kScale>(t, c, lo, hi);
-  }
+  for_each_block(t.param, t.grad, t.master, t.dtype, lo, hi,
+                 [&](auto kind, void* p, const void* g, void* out, int64_t off, int64_t n) {
+                   adam_math<decltype(kind)::value, kAms, kL2, kScale>(
+                       p, g, t.exp_avg + off, t.exp_avg_sq + off, kAms ? t.max_exp_avg_sq + off : nullptr, out, n,
+                       c, t.neg_step_size, t.bc2_sqrt);
+                 });
 }
 
 void adam(const AdamTensor& t, const AdamConsts& c, int64_t lo, int64_t hi) {
-  if (hi <= lo) return;
-  switch ((c.amsgrad ? 4 : 0) | (c.l2 ? 2 : 0) | (c.has_scale ? 1 : 0)) {
+  switch ((c.amsgrad ? 4 : 0) | (c.l2 ? 2 : 0) | (c.grad.has_scale ? 1 : 0)) {
     case 0: adam_range<false, false, false>(t, c, lo, hi); break;
     case 1: adam_range<false, false, true>(t, c, lo, hi); break;
     case 2: adam_range<false, true, false>(t, c, lo, hi); break;
@@ -265,6 +271,63 @@ void adam(const AdamTensor& t, const AdamConsts& c, int64_t lo, int64_t hi) {
     case 6: adam_range<true, true, false>(t, c, lo, hi); break;
     default: adam_range<true, true, true>(t, c, lo, hi); break;
   }
+}
+
+// ---- SGD ----------------------------------------------------------------------------------------------
+// Per element, fastops.reference.sgd_step_ (torch's for-loop SGD) with the FMAs of torch's vectorised CPU
+// ops: grad.add(p, alpha=wd) = fma(p, wd, g); buf.mul_(momentum).add_(g, alpha=1-d) = fma(g, 1-d, buf*mom);
+// nesterov's grad.add(buf, alpha=momentum) = fma(buf, mom, g); p.add_(grad, alpha=-lr) = fma(grad, -lr, p).
+
+// kMom: SgdConsts::mom as a template parameter.
+template <int kKind, bool kScale, bool kWd, int kMom, bool kNest>
+void sgd_math(void* __restrict pv, const void* __restrict gv, float* __restrict buf, void* __restrict outv,
+              int64_t n, const SgdConsts& c) {
+  const float neg_lr = c.neg_lr, wd = c.weight_decay, mom = c.momentum, omd = c.one_minus_dampening;
+  const float gdiv = c.grad.div, gsign = c.grad.sign;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float g0 = load_grad<kKind>(gv, i);
+    float gi;
+    if constexpr (kScale) gi = g0 / gdiv; else gi = g0 * gsign;  // maximize folded in, as in adam_math
+    float pi = load_param<kKind>(pv, i);
+    if constexpr (kWd) gi = fmadd(pi, wd, gi);
+    if constexpr (kMom != 0) {
+      float bi;
+      if constexpr (kMom == 1) bi = gi; else bi = fmadd(gi, omd, buf[i] * mom);
+      buf[i] = bi;
+      if constexpr (kNest) gi = fmadd(bi, mom, gi); else gi = bi;
+    }
+    store_param<kKind>(pv, outv, i, fmadd(gi, neg_lr, pi));
+  }
+}
+
+// kCode = scale | wd << 1 | mom << 2 | nesterov << 4 (nesterov only with momentum).
+constexpr int kSgdCodes = 32;
+
+template <int kCode>
+void sgd_code(const SgdTensor& t, const SgdConsts& c, int64_t lo, int64_t hi) {
+  constexpr bool kScale = (kCode & 1) != 0, kWd = (kCode & 2) != 0, kNest = (kCode & 16) != 0;
+  constexpr int kMom = (kCode >> 2) & 3;
+  if constexpr (kMom < 3 && (kMom != 0 || !kNest)) {
+    for_each_block(t.param, t.grad, t.master, t.dtype, lo, hi,
+                   [&](auto kind, void* p, const void* g, void* out, int64_t off, int64_t n) {
+                     sgd_math<decltype(kind)::value, kScale, kWd, kMom, kNest>(p, g, kMom ? t.buf + off : nullptr,
+                                                                               out, n, c);
+                   });
+  }
+}
+
+template <int kCode = 0>
+void sgd_dispatch(int code, const SgdTensor& t, const SgdConsts& c, int64_t lo, int64_t hi) {
+  if constexpr (kCode < kSgdCodes) {
+    if (code == kCode) return sgd_code<kCode>(t, c, lo, hi);
+    sgd_dispatch<kCode + 1>(code, t, c, lo, hi);
+  }
+}
+
+void sgd(const SgdTensor& t, const SgdConsts& c, int64_t lo, int64_t hi) {
+  const int code = (c.grad.has_scale ? 1 : 0) | (c.wd ? 2 : 0) | (c.mom << 2) | (c.nesterov && c.mom ? 16 : 0);
+  sgd_dispatch(code, t, c, lo, hi);
 }
 
 // ---- unscale + non-finite check -------------------------------------------------------------------------
@@ -372,8 +435,8 @@ void stats(const void* g, Dtype dt, int64_t n, float inv, StatsPartial* out) {
 }  // namespace
 }  // namespace FASTOPS_ISA_NS
 
-extern const KernelTable FASTOPS_ISA_TABLE = {FASTOPS_ISA_NAME, &FASTOPS_ISA_NS::adam, &FASTOPS_ISA_NS::unscale,
-                                              &FASTOPS_ISA_NS::stats};
+extern const KernelTable FASTOPS_ISA_TABLE = {FASTOPS_ISA_NAME, &FASTOPS_ISA_NS::adam, &FASTOPS_ISA_NS::sgd,
+                                              &FASTOPS_ISA_NS::unscale, &FASTOPS_ISA_NS::stats};
 
 }  // namespace cpu
 }  // namespace fastops

@@ -148,20 +148,8 @@ void launch(const AdamArgs& a, int blocks, cudaStream_t stream) {
 cudaError_t adam_step(ScalarKind kind, const AdamArgs& args, int max_blocks, cudaStream_t stream) {
   if (args.n_chunks == 0) return cudaSuccess;
   const int blocks = static_cast<int>(args.n_chunks < max_blocks ? args.n_chunks : max_blocks);
-  switch (kind) {
-    case ScalarKind::kFloat32:
-      launch<float>(args, blocks, stream);
-      break;
-    case ScalarKind::kBFloat16:
-      launch<__nv_bfloat16>(args, blocks, stream);
-      break;
-    case ScalarKind::kFloat16:
-      launch<__half>(args, blocks, stream);
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return detail::launch_for_kind(kind,
+                                 [&](auto t) { launch<typename decltype(t)::type>(args, blocks, stream); });
 }
 
 }  // namespace cuda

@@ -178,23 +178,10 @@ cudaError_t unscale_check(ScalarKind kind, const int64_t* tensors, const int64_t
                           cudaStream_t stream) {
   if (n_chunks == 0) return cudaSuccess;
   const int blocks = grid_for(n_chunks, max_blocks);
-  switch (kind) {
-    case ScalarKind::kFloat32:
-      unscale_check_kernel<float><<<blocks, kThreads, 0, stream>>>(tensors, chunks, n_chunks, found_inf,
-                                                                   inv_scale_ptr, inv_scale);
-      break;
-    case ScalarKind::kBFloat16:
-      unscale_check_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(tensors, chunks, n_chunks, found_inf,
-                                                                           inv_scale_ptr, inv_scale);
-      break;
-    case ScalarKind::kFloat16:
-      unscale_check_kernel<__half><<<blocks, kThreads, 0, stream>>>(tensors, chunks, n_chunks, found_inf,
-                                                                    inv_scale_ptr, inv_scale);
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return detail::launch_for_kind(kind, [&](auto t) {
+    unscale_check_kernel<typename decltype(t)::type>
+        <<<blocks, kThreads, 0, stream>>>(tensors, chunks, n_chunks, found_inf, inv_scale_ptr, inv_scale);
+  });
 }
 
 cudaError_t grad_stats_partials(ScalarKind kind, const int64_t* tensors, const int64_t* chunks, int64_t n_chunks,
@@ -202,23 +189,10 @@ cudaError_t grad_stats_partials(ScalarKind kind, const int64_t* tensors, const i
                                 int max_blocks, cudaStream_t stream) {
   if (n_chunks == 0) return cudaSuccess;
   const int blocks = grid_for(n_chunks, max_blocks);
-  switch (kind) {
-    case ScalarKind::kFloat32:
-      grad_stats_partials_kernel<float><<<blocks, kThreads, 0, stream>>>(tensors, chunks, n_chunks, partials,
-                                                                         first_partial, inv_scale_ptr, inv_scale);
-      break;
-    case ScalarKind::kBFloat16:
-      grad_stats_partials_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(
-          tensors, chunks, n_chunks, partials, first_partial, inv_scale_ptr, inv_scale);
-      break;
-    case ScalarKind::kFloat16:
-      grad_stats_partials_kernel<__half><<<blocks, kThreads, 0, stream>>>(tensors, chunks, n_chunks, partials,
-                                                                          first_partial, inv_scale_ptr, inv_scale);
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return detail::launch_for_kind(kind, [&](auto t) {
+    grad_stats_partials_kernel<typename decltype(t)::type>
+        <<<blocks, kThreads, 0, stream>>>(tensors, chunks, n_chunks, partials, first_partial, inv_scale_ptr, inv_scale);
+  });
 }
 
 cudaError_t grad_stats_reduce(const float* partials, int64_t n_partials, float* out, cudaStream_t stream) {

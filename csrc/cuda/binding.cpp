@@ -1,4 +1,4 @@
-// The torch side of the CUDA kernels (adam.cu, amp.cu): argument checks, the current device and stream,
+// The torch side of the CUDA kernels (adam.cu, sgd.cu, amp.cu): argument checks, the current device and stream,
 // the pointer tables and their cache, and the pybind11 definitions fastops._backend looks up on
 // fastops._C.cuda. Compiled only in CUDA builds (-DWITH_CUDA); the kernels themselves include no torch
 // header, so they compile (and are compile-checked by .ci/nvcc_check.sh) without one.
@@ -170,9 +170,10 @@ TableCache& tables() {
   return cache;
 }
 
-// Tags that keep the Adam and grad tables apart in the cache key.
+// Tags that keep the Adam, SGD and grad tables apart in the cache key.
 constexpr int64_t kAdamTag = 1;
 constexpr int64_t kGradTag = 2;
+constexpr int64_t kSgdTag = 3;
 
 Key make_key(int64_t tag, const at::Device& device, const std::vector<int64_t>& flat) {
   Key key;
@@ -222,6 +223,25 @@ ScalarArg scalar_arg(const at::Tensor& t, const at::Device& device, const char* 
   return s;
 }
 
+// lr, grad_scale and found_inf of an optimizer step. skip: found_inf is a CPU tensor that is set, so there is
+// nothing to launch.
+struct StepScalars {
+  ScalarArg lr, scale, inf;
+  bool skip = false;
+};
+
+StepScalars step_scalars(const char* op, const at::Device& device, const at::Tensor& lr,
+                         const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  StepScalars sc;
+  sc.lr = scalar_arg(lr, device, op, "lr");
+  if (grad_scale.has_value()) sc.scale = scalar_arg(*grad_scale, device, op, "grad_scale");
+  if (found_inf.has_value()) {
+    sc.inf = scalar_arg(*found_inf, device, op, "found_inf");
+    sc.skip = !sc.inf.on_device.defined() && sc.inf.value != 0;
+  }
+  return sc;
+}
+
 std::vector<int64_t> grad_rows(const TensorList& grads, const std::vector<size_t>& idx) {
   std::vector<int64_t> flat;
   flat.reserve(idx.size() * kGradCols);
@@ -254,30 +274,24 @@ void adam_step_(const TensorList& params, const TensorList& grads, const TensorL
   const c10::cuda::CUDAGuard guard(device);
   const LaunchContext ctx = launch_context();
 
-  const ScalarArg lr_arg = scalar_arg(lr, device, "adam_step_", "lr");
-  ScalarArg scale_arg;
-  if (grad_scale.has_value()) scale_arg = scalar_arg(*grad_scale, device, "adam_step_", "grad_scale");
-  ScalarArg inf_arg;
-  if (found_inf.has_value()) {
-    inf_arg = scalar_arg(*found_inf, device, "adam_step_", "found_inf");
-    if (!inf_arg.on_device.defined() && inf_arg.value != 0) return;
-  }
+  const StepScalars sc = step_scalars("adam_step_", device, lr, grad_scale, found_inf);
+  if (sc.skip) return;
 
   // The kernels skip the whole step when *found_inf != 0; the counters follow with a device op.
-  if (inf_arg.on_device.defined()) {
-    at::_foreach_add_(state_steps, inf_arg.on_device.reshape({}).eq(at::Scalar(0.0)).to(at::kFloat));
+  if (sc.inf.on_device.defined()) {
+    at::_foreach_add_(state_steps, sc.inf.on_device.reshape({}).eq(at::Scalar(0.0)).to(at::kFloat));
   } else {
     at::_foreach_add_(state_steps, at::Scalar(1.0));
   }
 
   AdamArgs a{};
-  a.lr_ptr = lr_arg.ptr();
-  a.lr = static_cast<float>(lr_arg.value);
-  a.decay = static_cast<float>(1 - lr_arg.value * weight_decay);
-  a.grad_scale_ptr = scale_arg.ptr();
-  a.grad_scale = grad_scale.has_value() ? static_cast<float>(scale_arg.value) : 1.0f;
+  a.lr_ptr = sc.lr.ptr();
+  a.lr = static_cast<float>(sc.lr.value);
+  a.decay = static_cast<float>(1 - sc.lr.value * weight_decay);
+  a.grad_scale_ptr = sc.scale.ptr();
+  a.grad_scale = grad_scale.has_value() ? static_cast<float>(sc.scale.value) : 1.0f;
   a.has_grad_scale = grad_scale.has_value();
-  a.found_inf = inf_arg.ptr();
+  a.found_inf = sc.inf.ptr();
   a.beta2 = static_cast<float>(beta2);
   a.one_minus_beta2 = static_cast<float>(1 - beta2);
   a.lerp_weight = static_cast<float>(1 - beta1);
@@ -311,6 +325,54 @@ void adam_step_(const TensorList& params, const TensorList& grads, const TensorL
     a.chunks = table->chunks();
     a.n_chunks = table->n_chunks;
     C10_CUDA_CHECK(adam_step(kind_of(group.first), a, ctx.max_blocks, ctx.stream));
+  }
+}
+
+void sgd_step_(const TensorList& params, const TensorList& grads, const TensorList& momentum_buffers,
+               const TensorList& master_params, const at::Tensor& lr, double weight_decay, double momentum,
+               double dampening, bool nesterov, bool maximize, bool is_first_step,
+               const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  check_sgd_args(params, grads, momentum_buffers, master_params, momentum);
+  if (params.empty()) return;
+  const at::Device device = params[0].device();
+  check_on_cuda(params[0], "sgd_step_");
+  const c10::cuda::CUDAGuard guard(device);
+  const LaunchContext ctx = launch_context();
+  const StepScalars sc = step_scalars("sgd_step_", device, lr, grad_scale, found_inf);
+  if (sc.skip) return;
+
+  SgdArgs a{};
+  a.lr_ptr = sc.lr.ptr();
+  a.lr = static_cast<float>(sc.lr.value);
+  a.grad_scale_ptr = sc.scale.ptr();
+  a.grad_scale = grad_scale.has_value() ? static_cast<float>(sc.scale.value) : 1.0f;
+  a.has_grad_scale = grad_scale.has_value();
+  a.found_inf = sc.inf.ptr();
+  a.weight_decay = static_cast<float>(weight_decay);
+  a.momentum = static_cast<float>(momentum);
+  a.one_minus_dampening = static_cast<float>(1 - dampening);
+  a.momentum_mode = momentum == 0 ? 0 : (is_first_step ? 1 : 2);
+  a.nesterov = nesterov && momentum != 0;
+  a.maximize = maximize;
+  a.has_master = !master_params.empty();
+
+  for (const auto& group : group_by_dtype(params)) {
+    std::vector<int64_t> flat;
+    flat.reserve(group.second.size() * kSgdCols);
+    for (size_t i : group.second) {
+      flat.push_back(address(params[i].data_ptr()));
+      flat.push_back(address(grads[i].const_data_ptr()));
+      flat.push_back(a.momentum_mode != 0 ? address(momentum_buffers[i].data_ptr()) : 0);
+      flat.push_back(a.has_master ? address(master_params[i].data_ptr()) : 0);
+      flat.push_back(params[i].numel());
+    }
+    const auto table =
+        tables().get(make_key(kSgdTag, device, flat), flat, kSgdCols, device, ctx.stream, ctx.capturing);
+    if (table->n_chunks == 0) continue;
+    a.tensors = table->rows();
+    a.chunks = table->chunks();
+    a.n_chunks = table->n_chunks;
+    C10_CUDA_CHECK(sgd_step(kind_of(group.first), a, ctx.max_blocks, ctx.stream));
   }
 }
 
@@ -378,6 +440,10 @@ void register_bindings(pybind11::module_ m) {
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("amsgrad"),
         py::arg("maximize"), py::arg("decoupled"), py::arg("grad_scale"), py::arg("found_inf"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("sgd_step_", &sgd_step_, py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"),
+        py::arg("master_params"), py::arg("lr"), py::arg("weight_decay"), py::arg("momentum"), py::arg("dampening"),
+        py::arg("nesterov"), py::arg("maximize"), py::arg("is_first_step"), py::arg("grad_scale"),
+        py::arg("found_inf"), py::call_guard<py::gil_scoped_release>());
   m.def("unscale_check_", &unscale_check_, py::arg("grads"), py::arg("found_inf"), py::arg("inv_scale"),
         py::call_guard<py::gil_scoped_release>());
   m.def("grad_stats", &grad_stats, py::arg("grads"), py::arg("inv_scale") = py::none(),

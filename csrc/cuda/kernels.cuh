@@ -36,6 +36,10 @@ enum AdamCol : int {
   kAdamCols = 8,
 };
 
+// Columns of the SGD per-tensor table. Absent pointers (momentum buffer without momentum, master without
+// master params) are 0.
+enum SgdCol : int { kSgdParam = 0, kSgdGrad = 1, kSgdBuf = 2, kSgdMaster = 3, kSgdNumel = 4, kSgdCols = 5 };
+
 // Columns of the grad table (unscale_check_, grad_stats).
 enum GradCol : int { kGradPtr = 0, kGradNumel = 1, kGradCols = 2 };
 
@@ -66,9 +70,31 @@ struct AdamArgs {
   bool has_master;
 };
 
+// Scalars of one SGD launch; pointers as in AdamArgs.
+struct SgdArgs {
+  const int64_t* tensors;  // [n_tensors][kSgdCols]
+  const int64_t* chunks;   // [n_chunks][2]
+  int64_t n_chunks;
+  const float* lr_ptr;
+  float lr;
+  const float* grad_scale_ptr;
+  float grad_scale;
+  bool has_grad_scale;
+  const float* found_inf;  // the kernel does nothing when *found_inf != 0; nullptr: never skips
+  float weight_decay;
+  float momentum;
+  float one_minus_dampening;  // fp32(1 - dampening in fp64), as torch passes alpha=1 - dampening
+  int momentum_mode;          // 0 no momentum, 1 first step (buf = grad), 2 buf = momentum*buf + (1-d)*grad
+  bool nesterov;
+  bool maximize;
+  bool has_master;
+};
+
 // All launchers return cudaGetLastError() after the launch (cudaSuccess when there is nothing to do).
 // max_blocks caps the grid; blocks grid-stride over the chunk table.
 cudaError_t adam_step(ScalarKind kind, const AdamArgs& args, int max_blocks, cudaStream_t stream);
+
+cudaError_t sgd_step(ScalarKind kind, const SgdArgs& args, int max_blocks, cudaStream_t stream);
 
 // grads[i] *= inv_scale, rounded once to the grad's dtype; *found_inf = 1.0f if any element was inf/nan.
 cudaError_t unscale_check(ScalarKind kind, const int64_t* tensors, const int64_t* chunks, int64_t n_chunks,
@@ -95,6 +121,31 @@ cudaError_t grad_stats_reduce(const float* partials, int64_t n_partials, float* 
 namespace fastops {
 namespace cuda {
 namespace detail {
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls launch(TypeTag<T>{}) with T the storage type of kind, then returns cudaGetLastError()
+// (cudaErrorInvalidValue for a kind without one): the one place a launcher turns a ScalarKind into a type.
+template <class Launch>
+cudaError_t launch_for_kind(ScalarKind kind, const Launch& launch) {
+  switch (kind) {
+    case ScalarKind::kFloat32:
+      launch(TypeTag<float>{});
+      break;
+    case ScalarKind::kBFloat16:
+      launch(TypeTag<__nv_bfloat16>{});
+      break;
+    case ScalarKind::kFloat16:
+      launch(TypeTag<__half>{});
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
 
 // Conversions between storage types and fp32. _rn: round to nearest even, as torch's casts. The 16-bit
 // types also convert from and to their bit patterns, which is how the 4-wide accesses move them.
