@@ -127,29 +127,18 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(const AdamArgs a) {
 }
 
 template <typename T>
-void launch(const AdamArgs& a, int blocks, cudaStream_t stream) {
-  if (a.amsgrad) {
-    if (a.has_master) {
-      adam_kernel<T, true, true><<<blocks, kThreads, 0, stream>>>(a);
-    } else {
-      adam_kernel<T, true, false><<<blocks, kThreads, 0, stream>>>(a);
-    }
-  } else {
-    if (a.has_master) {
-      adam_kernel<T, false, true><<<blocks, kThreads, 0, stream>>>(a);
-    } else {
-      adam_kernel<T, false, false><<<blocks, kThreads, 0, stream>>>(a);
-    }
-  }
+void launch(const AdamArgs& a, int max_blocks, cudaStream_t stream) {
+  auto kernel = a.amsgrad ? (a.has_master ? adam_kernel<T, true, true> : adam_kernel<T, true, false>)
+                          : (a.has_master ? adam_kernel<T, false, true> : adam_kernel<T, false, false>);
+  detail::launch_resident(kernel, a, max_blocks, stream);
 }
 
 }  // namespace
 
 cudaError_t adam_step(ScalarKind kind, const AdamArgs& args, int max_blocks, cudaStream_t stream) {
   if (args.n_chunks == 0) return cudaSuccess;
-  const int blocks = static_cast<int>(args.n_chunks < max_blocks ? args.n_chunks : max_blocks);
   return detail::launch_for_kind(kind,
-                                 [&](auto t) { launch<typename decltype(t)::type>(args, blocks, stream); });
+                                 [&](auto t) { launch<typename decltype(t)::type>(args, max_blocks, stream); });
 }
 
 }  // namespace cuda

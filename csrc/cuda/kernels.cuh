@@ -127,6 +127,21 @@ struct TypeTag {
   using type = T;
 };
 
+// Launches a grid-stride optimizer kernel with at most the blocks that are resident at once. max_blocks
+// (binding.cpp) assumes 2048 / kThreads blocks an SM; a kernel whose registers leave room for fewer
+// (adam_kernel: 35-62 registers by `python -m fastops compile-check`, 3 of 4 blocks an SM on sm_80/sm_90)
+// would otherwise run its last blocks as a second wave behind the first.
+template <typename Args>
+void launch_resident(void (*kernel)(const Args), const Args& a, int max_blocks, cudaStream_t stream) {
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0) != cudaSuccess || per_sm < 1) {
+    per_sm = 1;
+  }
+  const int64_t resident = static_cast<int64_t>(max_blocks) / (2048 / kThreads) * per_sm;
+  const int blocks = static_cast<int>(a.n_chunks < resident ? a.n_chunks : resident);
+  kernel<<<blocks, kThreads, 0, stream>>>(a);
+}
+
 // Calls launch(TypeTag<T>{}) with T the storage type of kind, then returns cudaGetLastError()
 // (cudaErrorInvalidValue for a kind without one): the one place a launcher turns a ScalarKind into a type.
 template <class Launch>

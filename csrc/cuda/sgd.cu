@@ -83,23 +83,20 @@ __global__ void __launch_bounds__(kThreads) sgd_kernel(const SgdArgs a) {
 }
 
 template <typename T, int MODE, bool NESTEROV>
-void launch_mode(const SgdArgs& a, int blocks, cudaStream_t stream) {
-  if (a.has_master) {
-    sgd_kernel<T, MODE, NESTEROV, true><<<blocks, kThreads, 0, stream>>>(a);
-  } else {
-    sgd_kernel<T, MODE, NESTEROV, false><<<blocks, kThreads, 0, stream>>>(a);
-  }
+void launch_mode(const SgdArgs& a, int max_blocks, cudaStream_t stream) {
+  auto kernel = a.has_master ? sgd_kernel<T, MODE, NESTEROV, true> : sgd_kernel<T, MODE, NESTEROV, false>;
+  detail::launch_resident(kernel, a, max_blocks, stream);
 }
 
 template <typename T>
-void launch(const SgdArgs& a, int blocks, cudaStream_t stream) {
+void launch(const SgdArgs& a, int max_blocks, cudaStream_t stream) {
   // Nesterov needs momentum; without it there is only one kernel.
   switch (a.momentum_mode * 2 + (a.nesterov ? 1 : 0)) {
-    case 2: launch_mode<T, 1, false>(a, blocks, stream); break;
-    case 3: launch_mode<T, 1, true>(a, blocks, stream); break;
-    case 4: launch_mode<T, 2, false>(a, blocks, stream); break;
-    case 5: launch_mode<T, 2, true>(a, blocks, stream); break;
-    default: launch_mode<T, 0, false>(a, blocks, stream); break;
+    case 2: launch_mode<T, 1, false>(a, max_blocks, stream); break;
+    case 3: launch_mode<T, 1, true>(a, max_blocks, stream); break;
+    case 4: launch_mode<T, 2, false>(a, max_blocks, stream); break;
+    case 5: launch_mode<T, 2, true>(a, max_blocks, stream); break;
+    default: launch_mode<T, 0, false>(a, max_blocks, stream); break;
   }
 }
 
@@ -108,9 +105,8 @@ void launch(const SgdArgs& a, int blocks, cudaStream_t stream) {
 cudaError_t sgd_step(ScalarKind kind, const SgdArgs& args, int max_blocks, cudaStream_t stream) {
   if (args.n_chunks == 0) return cudaSuccess;
   if (args.momentum_mode < 0 || args.momentum_mode > 2) return cudaErrorInvalidValue;
-  const int blocks = static_cast<int>(args.n_chunks < max_blocks ? args.n_chunks : max_blocks);
   return detail::launch_for_kind(kind,
-                                 [&](auto t) { launch<typename decltype(t)::type>(args, blocks, stream); });
+                                 [&](auto t) { launch<typename decltype(t)::type>(args, max_blocks, stream); });
 }
 
 }  // namespace cuda
