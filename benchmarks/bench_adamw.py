@@ -29,18 +29,32 @@ import common  # noqa: E402
 
 import fastops  # noqa: E402
 
-BYTES_PER_PARAM = {torch.float32: 28}
-WORKING_SET_PER_PARAM = 16  # p, g, m, v in fp32: what has to stay in cache for a step to run from it
-PROVIDERS = {
-    "torch_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
-    "torch_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
-    "torch_forloop": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False),
-    "fastops": lambda ps: fastops.optim.AdamW(ps, lr=1e-3),
-}
+class Spec:
+    """One optimizer's benchmark: its providers, fp32 bytes moved per param, the working set a step must
+    keep in cache to run from it, and the roofline kernels (common.STREAM_KERNELS) run next to it, with the
+    one it is held to (None: the best of them)."""
+
+    def __init__(self, name, providers, bytes_per_param, working_set, kernels, roofline=None):
+        self.name, self.providers, self.bytes_per_param = name, providers, bytes_per_param
+        self.working_set, self.kernels, self.roofline = working_set, kernels, roofline
+
+
+ADAMW = Spec(
+    "adamw",
+    {
+        "torch_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
+        "torch_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+        "torch_forloop": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False),
+        "fastops": lambda ps: fastops.optim.AdamW(ps, lr=1e-3),
+    },
+    bytes_per_param=28,  # read g, read + write p, exp_avg, exp_avg_sq
+    working_set=16,  # p, g, m, v
+    kernels=("copy", "scale_inplace", "add_inplace", "triad", "adam_pattern"),
+)
 
 
 def torch_default(device: str) -> str:
-    """The provider that ``torch.optim.AdamW(params)`` (no foreach/fused argument) runs on ``device``."""
+    """The provider that torch's optimizer without a foreach/fused argument runs on ``device``."""
     from torch.optim.optimizer import _default_to_fused_or_foreach
 
     _, foreach = _default_to_fused_or_foreach([torch.empty(1, device=device)], differentiable=False)
@@ -61,10 +75,10 @@ def make_params(total: int, n_tensors: int, device: str) -> list[torch.nn.Parame
     return params
 
 
-def bench_size(total: int, args, stream: common.StreamKernels) -> tuple[list[dict], dict]:
+def bench_size(spec: Spec, total: int, args, stream: common.StreamKernels) -> tuple[list[dict], dict]:
     base = make_params(total, args.tensors, args.device)
     opts = {}
-    for name, make in PROVIDERS.items():
+    for name, make in spec.providers.items():
         if args.providers and name not in args.providers:
             continue
         params = [torch.nn.Parameter(p.detach().clone()) for p in base]
@@ -80,63 +94,27 @@ def bench_size(total: int, args, stream: common.StreamKernels) -> tuple[list[dic
         for name, opt in opts.items():
             t = common.time_ms(opt.step, args.device, repeats=args.repeats, warmup=1)
             samples[name].append(t["ms"])
-    roof = stream.summary(stream_samples)
-    working_set = WORKING_SET_PER_PARAM * total
+    roof = stream.summary(stream_samples, spec.roofline)
+    working_set = spec.working_set * total
     llc = common.llc_bytes() if args.device == "cpu" else None
     rows = []
     for name, s in samples.items():
-        t = common.quantile_row(s)
-        gbs = BYTES_PER_PARAM[torch.float32] * total / (t["ms"] / 1e3) / 1e9
-        rows.append({
-            "provider": name, "params": total, "tensors": args.tensors, "dtype": "float32",
-            **{k: round(v, 4) for k, v in t.items()}, "gbs": round(gbs, 2),
-            "roofline_gbs": round(roof["roofline_gbs"], 2), "roofline_kernel": roof["roofline_kernel"],
-            "pct_roofline": round(100 * gbs / roof["roofline_gbs"], 1),
-            "copy_gbs": round(roof["copy_gbs"], 2), "pct_copy": round(100 * gbs / roof["copy_gbs"], 1),
-            "working_set_mib": round(working_set / 2**20), "fits_llc": llc is not None and working_set <= llc,
-            "device": args.device, "hardware": common.hardware(args.device),
-        })  # fmt: skip
+        gbs = spec.bytes_per_param * total / (common.quantile_row(s)["ms"] / 1e3) / 1e9
+        rows.append(common.row(
+            spec.name, name, total, s, args.device, tensors=args.tensors, dtype="float32", gbs=round(gbs, 2),
+            roofline_gbs=round(roof["roofline_gbs"], 2), roofline_kernel=roof["roofline_kernel"],
+            pct_roofline=round(100 * gbs / roof["roofline_gbs"], 1), copy_gbs=round(roof["copy_gbs"], 2),
+            pct_copy=round(100 * gbs / roof["copy_gbs"], 1), working_set_mib=round(working_set / 2**20),
+            fits_llc=llc is not None and working_set <= llc,
+        ))  # fmt: skip
     del opts
     return rows, roof
 
 
-def plot(rows: list[dict], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-        return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in dict.fromkeys(r["provider"] for r in rows):
-        rs = [r for r in rows if r["provider"] == name]
-        xs = [r["params"] / 1e6 for r in rs]
-        err = [[r["ms"] - r["ms_q20"] for r in rs], [r["ms_q80"] - r["ms"] for r in rs]]
-        ax1.errorbar(xs, [r["ms"] for r in rs], yerr=err, marker="o", capsize=2, label=name)
-        ax2.plot(xs, [r["gbs"] for r in rs], marker="o", label=name)
-    sizes = list(dict.fromkeys(r["params"] for r in rows))
-    first = [next(r for r in rows if r["params"] == n) for n in sizes]
-    ax2.plot([n / 1e6 for n in sizes], [r["roofline_gbs"] for r in first], "k--",
-             label=f"roofline ({first[0]['roofline_kernel']})")
-    ax2.plot([n / 1e6 for n in sizes], [r["copy_gbs"] for r in first], "k:", label="copy_ (STREAM count)")
-    for ax, ylabel in ((ax1, "ms / step (median, 20-80%)"), (ax2, "effective GB/s (28 B/param)")):
-        ax.set_xscale("log")
-        ax.set_xlabel("params (M)")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    ax1.set_yscale("log")
-    fig.suptitle(f"AdamW step, fp32, {rows[0]['hardware']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(spec: Spec = ADAMW, doc: str = __doc__, sizes=(1, 4, 16, 32, 64, 100)) -> None:
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--sizes", type=float, nargs="*", default=[1, 4, 16, 32, 64, 100], help="millions of params")
+    p.add_argument("--sizes", type=float, nargs="*", default=list(sizes), help="millions of params")
     p.add_argument("--tensors", type=int, default=100)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3, help="steps timed per provider per round")
@@ -145,20 +123,20 @@ def main() -> None:
                    help="bytes each roofline kernel streams (default: 4 GiB on CUDA; max(1 GiB, 4x LLC) on the CPU)")
     p.add_argument("--quick", action="store_true", help="1M and 4M params, fewer rounds")
     p.add_argument("--out", default=None,
-                   help="result name under benchmarks/results, or a path (default adamw_<device>)")
+                   help=f"result name under benchmarks/results, or a path (default {spec.name}_<device>)")
     args = p.parse_args()
     if args.quick:
         args.sizes, args.rounds = [1, 4], 3
     dev_type = args.device.split(":")[0]
     default = torch_default(args.device)
-    stream = common.StreamKernels(args.device, args.footprint_mib and args.footprint_mib << 20)
+    stream = common.StreamKernels(args.device, args.footprint_mib and args.footprint_mib << 20, names=spec.kernels)
     llc = common.llc_bytes() if dev_type == "cpu" else None
     print(f"{common.hardware(args.device)}; fastops backend {fastops._backend.active(dev_type)}; torch's default "
-          f"AdamW here is {default}; roofline kernels on {stream.footprint / 2**30:.2f} GiB"
+          f"{spec.name} here is {default}; roofline kernels on {stream.footprint / 2**30:.2f} GiB"
           + (f"; last-level cache {llc / 2**20:.0f} MiB" if llc else ""))  # fmt: skip
     rows, roofs = [], {}
     for m in args.sizes:
-        size_rows, roof = bench_size(int(m * 1e6), args, stream)
+        size_rows, roof = bench_size(spec, int(m * 1e6), args, stream)
         roofs[f"{m:g}M"] = roof
         by = {r["provider"]: r for r in size_rows}
         first = size_rows[0]
@@ -174,12 +152,11 @@ def main() -> None:
                   + (f"; fastops is {r['fastops_speedup']:.2f}x this" if "fastops_speedup" in r else "")
                   + ("  (torch default)" if r["torch_default"] else ""))  # fmt: skip
         rows += size_rows
-    name = args.out or f"adamw_{dev_type}"
+    name = args.out or f"{spec.name}_{dev_type}"
     meta = {"roofline": roofs, "torch_default": default, "llc_bytes": llc, "torch": torch.__version__,
             "argv": sys.argv[1:]}  # fmt: skip
     base = common.write_results(name, rows, meta)
-    plot(rows, base + ".png")
-    print(f"wrote {base}.json/.csv/.png")
+    print(f"wrote {base}.json/.csv (and .png with matplotlib)")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
@@ -102,18 +101,6 @@ def scaled_grads(params, seed, unscaled_norm=None):
     return [x * SCALE for x in grads]
 
 
-def median_ms(phase, reset, device, repeats):
-    samples = []
-    for _ in range(repeats):
-        reset()  # phases write grads (torch unscales in place): restore them outside the timed region
-        common.sync(device)
-        start = time.perf_counter()
-        phase()
-        common.sync(device)
-        samples.append(1e3 * (time.perf_counter() - start))
-    return samples
-
-
 def unscale_bytes(provider: str, inv: float, device: str) -> int:
     """Bytes per element one call moves: a read and a write of every element, except fastops' CPU kernel at
     inv == 1, which only reads (x * 1 == x)."""
@@ -146,10 +133,9 @@ def bench_unscale(total, args):
         raise SystemExit("bench_amp: found_inf set by finite grads")
     rows = []
     for name, s in samples.items():
-        t = common.quantile_row(s)
         per_elem = sum(unscale_bytes(name, inv, args.device) for inv in INV_PAIR) / len(INV_PAIR)
-        rows.append({"bench": "unscale", "provider": name, "params": total, **{k: round(v, 4) for k, v in t.items()},
-                     "bytes_per_elem": per_elem, "gbs": round(per_elem * total / (t["ms"] / 1e3) / 1e9, 2)})
+        gbs = per_elem * total / (common.quantile_row(s)["ms"] / 1e3) / 1e9
+        rows.append(common.row("unscale", name, total, s, args.device, bytes_per_elem=per_elem, gbs=round(gbs, 2)))
     speedup = rows[0]["ms"] / rows[1]["ms"]
     for r in rows:
         r["fastops_speedup"] = round(speedup, 3)
@@ -181,35 +167,13 @@ def bench_phase(total, args):
         phase()
     for _ in range(args.rounds):
         for name, (_, phase, load) in setups.items():
-            samples[name] += median_ms(phase, lambda: load(scaled), args.device, args.repeats)
-    rows = []
-    for name, s in samples.items():
-        t = common.quantile_row(s)
-        rows.append({"bench": "phase", "provider": name, "params": total, **{k: round(v, 4) for k, v in t.items()}})
+            # phases write grads (torch unscales in place): reset restores them outside the timed region
+            samples[name] += common.time_samples(phase, args.device, args.repeats, warmup=0, reset=lambda: load(scaled))
+    rows = [common.row("phase", name, total, s, args.device) for name, s in samples.items()]
     speedup = rows[0]["ms"] / rows[1]["ms"]
     for r in rows:
         r["fastops_speedup"] = round(speedup, 3)
     return rows
-
-
-def plot(rows, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, bench, title in ((axes[0], "unscale", "unscale + inf check"), (axes[1], "phase", "AMP optimizer phase")):
-        rs = [r for r in rows if r["bench"] == bench]
-        ax.bar([r["provider"] for r in rs], [r["ms"] for r in rs],
-               yerr=[[r["ms"] - r["ms_q20"] for r in rs], [r["ms_q80"] - r["ms"] for r in rs]], color=["#999", "#2a7"])
-        ax.set_ylabel("ms (median, 20-80%)")
-        ax.set_title(f"{title}, {rs[0]['params'] / 1e6:.0f}M fp32 params")
-    fig.suptitle(rows[0]["hardware"])
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def main():
@@ -234,7 +198,6 @@ def main():
           f"(largest change from the start {check['max_param_change']:.2e}): {'ok' if ok else 'MISMATCH'}")  # fmt: skip
     rows = bench_unscale(total, args) + bench_phase(total, args)
     for r in rows:
-        r["device"], r["hardware"] = args.device, hw
         if r["bench"] == "phase":
             r.update(max_param_diff=check["max_param_diff"], param_atol=check["atol"])
         extra = f"{r['gbs']:.1f} GB/s at {r['bytes_per_elem']:g} B/elem" if "gbs" in r else ""
@@ -242,8 +205,7 @@ def main():
               f"{extra}  fastops {r['fastops_speedup']:.2f}x faster")  # fmt: skip
     meta = {"torch": torch.__version__, "argv": sys.argv[1:], "inv_pair": INV_PAIR, "check": check}
     base = common.write_results(args.out or f"amp_{args.device.split(':')[0]}", rows, meta)
-    plot(rows, base + ".png")
-    print(f"wrote {base}.json/.csv/.png")
+    print(f"wrote {base}.json/.csv (and .png with matplotlib)")
     if not ok:
         print("bench_amp: the two recipes' params differ beyond rounding", file=sys.stderr)
         sys.exit(1)

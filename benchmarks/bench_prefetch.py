@@ -27,11 +27,8 @@ Results: benchmarks/results/prefetch_{cpu,cuda}.{json,csv,png}. Medians over rep
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
-import json
 import os
-import platform
 import queue
 import statistics
 import sys
@@ -41,27 +38,11 @@ import time
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import common  # noqa: E402
+
 from fastops.data import Prefetcher  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def quantiles(xs: list[float]) -> tuple[float, float, float]:
-    xs = sorted(xs)
-    q = statistics.quantiles(xs, n=5, method="inclusive") if len(xs) > 1 else [xs[0]] * 4
-    return statistics.median(xs), q[0], q[3]
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
 # ---- CPU: loader X ms, step Y ms ----
@@ -106,22 +87,28 @@ def slow_loader(n: int, load: Work):
         yield torch.full((64,), float(i))
 
 
-def time_loop(batches, n: int, step: Work) -> float:
-    """ms per batch, from the first batch's arrival to the last one's: steady state, without the
-    DataLoader's worker start-up (about 0.1 s here, which would dominate short runs)."""
-    it = iter(batches)
-    next(it)
-    step()
-    start = time.perf_counter()
-    count = 0
-    for _ in it:
-        step()
-        count += 1
-    assert count == n - 1
-    return (time.perf_counter() - start) * 1000 / count
+def per_batch_ms(make, n: int, step, device: str) -> float:
+    """ms per batch over one pass of ``make()``'s n batches, from the first batch's arrival to the last one's:
+    steady state, without the DataLoader's worker start-up (about 0.1 s here, which would dominate short runs).
+    The iterator and its first step are common.time_samples' reset, outside the timed region."""
+    box = {}
+
+    def reset() -> None:
+        box["it"] = iter(make())
+        step(next(box["it"]))
+
+    def rest() -> None:
+        box["count"] = 0
+        for x in box["it"]:
+            step(x)
+            box["count"] += 1
+
+    ms = common.time_samples(rest, device, repeats=1, warmup=0, reset=reset)[0]
+    assert box["count"] == n - 1
+    return ms / box["count"]
 
 
-def bench_cpu(configs, n: int, repeats: int, hardware: str) -> list[dict]:
+def bench_cpu(configs, n: int, repeats: int) -> list[dict]:
     rows = []
     for kind, x_ms, y_ms in configs:
         torch.set_num_threads(1)  # two single-threaded torch ops can then run side by side on 2 cores
@@ -136,14 +123,13 @@ def bench_cpu(configs, n: int, repeats: int, hardware: str) -> list[dict]:
         times: dict[str, list[float]] = {p: [] for p in providers}
         for _ in range(repeats):  # interleaved, so a slow phase of the machine hits every provider
             for name, make in providers.items():
-                times[name].append(time_loop(make(), n, step))
+                times[name].append(per_batch_ms(make, n, lambda _batch: step(), "cpu"))
+        torch.set_num_threads(os.cpu_count() or 1)
         size = f"{kind} load={x_ms:g}ms step={y_ms:g}ms"
         for name, ts in times.items():
-            med, q20, q80 = quantiles(ts)
-            rows.append(dict(provider=name, size=size, ms=med, q20=q20, q80=q80, hardware=hardware,
-                             x_ms=x_ms, y_ms=y_ms, kind=kind))
-            print(f"  {size:32s} {name:14s} {med:7.2f} ms/batch  [{q20:.2f}, {q80:.2f}]")
-        torch.set_num_threads(os.cpu_count() or 1)
+            r = common.row("prefetch", name, size, ts, "cpu", x_ms=x_ms, y_ms=y_ms, kind=kind)
+            rows.append(r)
+            print(f"  {size:32s} {name:14s} {r['ms']:7.2f} ms/batch  [{r['ms_q20']:.2f}, {r['ms_q80']:.2f}]")
     return rows
 
 
@@ -255,7 +241,6 @@ def measure_gil(mib: int, seconds: float) -> dict:
 
 def bench_cuda(sizes_mib, n: int, repeats: int) -> list[dict]:
     dev = torch.device("cuda")
-    hardware = torch.cuda.get_device_name(dev)
     a = torch.randn(4096, 4096, device=dev)
     sink = torch.zeros((), device=dev)
 
@@ -303,17 +288,8 @@ def bench_cuda(sizes_mib, n: int, repeats: int) -> list[dict]:
             cur = nxt
         yield cur
 
-    def run(batches) -> float:
-        it = iter(batches)
-        step(next(it))
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        count = 0
-        for x in it:
-            step(x if x.is_cuda else x.to(dev, non_blocking=True))
-            count += 1
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1000 / count
+    def run(make) -> float:
+        return per_batch_ms(make, n, lambda x: step(x if x.is_cuda else x.to(dev, non_blocking=True)), "cuda")
 
     class Take:
         """The first n batches of a cycle over `batches`; iterable again and again, like a DataLoader."""
@@ -339,58 +315,19 @@ def bench_cuda(sizes_mib, n: int, repeats: int) -> list[dict]:
         }
         times: dict[str, list[float]] = {p: [] for p in providers}
         for name, make in providers.items():
-            run(make())  # warm-up: pinned allocations (fastops' pool, timm's host cache), cuBLAS
+            run(make)  # warm-up: pinned allocations (fastops' pool, timm's host cache), cuBLAS
         for _ in range(repeats):
             for name, make in providers.items():
-                times[name].append(run(make()))
-        compute = quantiles(times["compute_only"])[0]
+                times[name].append(run(make))
+        compute = statistics.median(times["compute_only"])
         for name, ts in times.items():
-            med, q20, q80 = quantiles(ts)
-            rows.append(dict(provider=name, size=f"{mib} MiB", ms=med, q20=q20, q80=q80, hardware=hardware))
-            print(f"  {mib:5d} MiB {name:14s} {med:8.2f} ms/step  [{q20:.2f}, {q80:.2f}]  {med / compute:.2f}x compute")
+            r = common.row("prefetch_h2d", name, f"{mib} MiB", ts, "cuda")
+            rows.append(r)
+            print(f"  {mib:5d} MiB {name:14s} {r['ms']:8.2f} ms/step  [{r['ms_q20']:.2f}, {r['ms_q80']:.2f}]  "
+                  f"{r['ms'] / compute:.2f}x compute")
         prefetcher.close()
         del host, prefetcher
     return rows
-
-
-# ---- output ----
-
-
-def write(rows: list[dict], extra: dict, stem: str, title: str) -> None:
-    path = stem if os.path.dirname(stem) else os.path.join(RESULTS, stem)  # a name under results/, or a path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".json", "w") as f:
-        json.dump(dict(rows=rows, **extra), f, indent=1)
-    with open(path + ".csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["provider", "size", "ms", "q20", "q80", "hardware"], extrasaction="ignore")
-        w.writeheader()
-        w.writerows({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"wrote {path}.json/.csv (no matplotlib: no plot)")
-        return
-    sizes = list(dict.fromkeys(r["size"] for r in rows))
-    providers = list(dict.fromkeys(r["provider"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(sizes)), 4))
-    width = 0.8 / len(providers)
-    for j, p in enumerate(providers):
-        rs = [next(r for r in rows if r["size"] == s and r["provider"] == p) for s in sizes]
-        xs = [i + (j - (len(providers) - 1) / 2) * width for i in range(len(sizes))]
-        err = [[r["ms"] - r["q20"] for r in rs], [r["q80"] - r["ms"] for r in rs]]
-        ax.bar(xs, [r["ms"] for r in rs], width, yerr=err, capsize=2, label=p)
-    ax.set_xticks(range(len(sizes)))
-    ax.set_xticklabels([s.replace(" load", "\nload") for s in sizes], fontsize=8)
-    ax.set_ylabel("ms per batch (median, q20-q80)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path + ".png", dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}.json/.csv/.png")
 
 
 def main() -> int:
@@ -411,7 +348,7 @@ def main() -> int:
         n, repeats = 40, 5
         gil_s, cuda_sizes, cuda_n = 1.0, [64, 256], 30
     cuda_sizes = args.cuda_sizes or cuda_sizes
-    hardware = cpu_name()
+    hardware = common.hardware("cpu")
     t0 = time.perf_counter()
     command = "python benchmarks/bench_prefetch.py " + " ".join(sys.argv[1:])
     ok = True
@@ -420,7 +357,7 @@ def main() -> int:
         return 1
     if not args.cuda_only:
         print(f"CPU ({hardware}), torch {torch.__version__}, {n} batches x {repeats} repeats")
-        rows = bench_cpu(configs, n, repeats, hardware)
+        rows = bench_cpu(configs, n, repeats)
         print("GIL")
         gil = measure_gil(64, gil_s)
 
@@ -433,13 +370,13 @@ def main() -> int:
             print(f"  {k}: fastops {c['speedup_vs_plain']:.2f}x faster than plain")
         meta = dict(command=command, torch=torch.__version__, hardware=hardware, gil=gil, checks=checks,
                     seconds=time.perf_counter() - t0)
-        write(rows, meta, f"{args.out}_cpu", f"Prefetcher, loader X ms + step Y ms, {hardware}")
+        print(f"wrote {common.write_results(f'{args.out}_cpu', rows, meta)}.json/.csv")
 
     if torch.cuda.is_available() and not args.no_cuda:
         print(f"CUDA ({torch.cuda.get_device_name()})")
         crows = bench_cuda(cuda_sizes, cuda_n, repeats)
-        write(crows, dict(command=command, torch=torch.__version__), f"{args.out}_cuda",
-              f"H2D copy under a matmul step, {torch.cuda.get_device_name()}")
+        meta = dict(command=command, torch=torch.__version__)
+        print(f"wrote {common.write_results(f'{args.out}_cuda', crows, meta)}.json/.csv")
     print(f"done in {time.perf_counter() - t0:.0f} s; speedup check {'passed' if ok else 'FAILED'}")
     return 0 if ok else 1
 

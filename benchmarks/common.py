@@ -1,5 +1,7 @@
-"""Timing and result files shared by the benchmark scripts: medians with 20/80% quantiles, one CSV and one
-JSON per run, rows of provider/size/ms/hardware, and the memory roofline measured in the same run."""
+"""The one harness every benchmark times through: medians with 20/80% quantiles (``time_ms``, with a
+``reset`` hook run outside the timed region), one row schema (``row``: bench, provider, size, ms, ms_q20, ms_q80,
+device, hardware, then the benchmark's own columns), one CSV and one JSON per run (``write_results``, which also
+draws the run with benchmarks/plot.py), and the memory roofline measured in the same run (``StreamKernels``)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Callable
 import torch
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
+SCHEMA = ("bench", "provider", "size", "ms", "ms_q20", "ms_q80", "device", "hardware")
 
 
 def hardware(device: str) -> str:
@@ -53,19 +56,36 @@ def quantile_row(samples: list[float]) -> dict[str, float]:
     return {"ms": statistics.median(samples), "ms_q20": q[0], "ms_q80": q[3]}
 
 
-def time_ms(fn: Callable[[], object], device: str, repeats: int, warmup: int = 3) -> dict[str, float]:
-    """Median and 20/80% quantiles of ``fn``'s wall time in ms, synchronising the device around each call
-    (host overhead, such as an optimizer's per-tensor Python loop, is part of what is measured)."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
+def time_samples(fn: Callable[[], object], device: str, repeats: int, warmup: int = 3,
+                 reset: Callable[[], object] | None = None) -> list[float]:  # fmt: skip
+    """``fn``'s wall time in ms, ``repeats`` times after ``warmup`` untimed calls, synchronising the device
+    around each call (host overhead, such as an optimizer's per-tensor Python loop, is part of what is
+    measured). ``reset``, when given, runs before every call (warm-up ones too) outside the timed region:
+    restoring grads a call overwrote, seeding, or building an iterator whose first item is not measured."""
     samples = []
-    for _ in range(repeats):
+    for i in range(warmup + repeats):
+        if reset is not None:
+            reset()
+        sync(device)
         start = time.perf_counter()
         fn()
         sync(device)
-        samples.append(1e3 * (time.perf_counter() - start))
-    return quantile_row(samples)
+        if i >= warmup:
+            samples.append(1e3 * (time.perf_counter() - start))
+    return samples
+
+
+def time_ms(fn: Callable[[], object], device: str, repeats: int, warmup: int = 3,
+            reset: Callable[[], object] | None = None) -> dict[str, float]:  # fmt: skip
+    """Median and 20/80% quantiles of ``time_samples``."""
+    return quantile_row(time_samples(fn, device, repeats, warmup, reset))
+
+
+def row(bench: str, provider: str, size, samples: list[float], device: str, **extra) -> dict:
+    """One result row in the shared schema (SCHEMA first, then ``extra``), from raw ms samples."""
+    t = {k: round(v, 4) for k, v in quantile_row(samples).items()}
+    return {"bench": bench, "provider": provider, "size": size, **t, "device": device,
+            "hardware": hardware(device), **extra}  # fmt: skip
 
 
 def _device_ms(fn: Callable[[], object], device: str, calls: int) -> float:
@@ -110,6 +130,8 @@ STREAM_KERNELS = (
     ("triad", 3, 12, "torch.add(b, c, alpha=s, out=a): STREAM triad count; write-allocate adds an unseen read of a"),
     ("adam_pattern", 4, 28, "p += c*g; m = a*m + b*g; v = a'*v + b'*g*g in one torch.compile'd loop: AdamW's fp32 "
      "traffic (read g, p, m, v; write p, m, v in place) with trivial math"),
+    ("sgd_pattern", 3, 20, "p += c*buf; buf = a*buf + g in one torch.compile'd loop: momentum SGD's fp32 traffic "
+     "(read g, p, buf; write p, buf in place) with trivial math"),
 )
 
 
@@ -117,6 +139,11 @@ def _adam_pattern(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Te
     p.add_(g, alpha=1e-9)
     m.mul_(0.9).add_(g, alpha=0.1)
     v.mul_(0.999).addcmul_(g, g, value=0.001)
+
+
+def _sgd_pattern(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor) -> None:
+    p.add_(buf, alpha=-1e-9)
+    buf.mul_(0.9).add_(g)
 
 
 def _stream_fn(name: str, views: list[torch.Tensor]) -> Callable[[], object]:
@@ -129,6 +156,9 @@ def _stream_fn(name: str, views: list[torch.Tensor]) -> Callable[[], object]:
         # converge (m to g, v to g*g) and p moves by 1e-9*g a call, so they stay bounded.
         fn = torch.compile(_adam_pattern, fullgraph=True, dynamic=False)
         return lambda: fn(views[1], views[0], views[2], views[3])
+    if name == "sgd_pattern":  # buf converges to 10 g, p moves by 1e-8 g a call: bounded values
+        fn = torch.compile(_sgd_pattern, fullgraph=True, dynamic=False)
+        return lambda: fn(views[1], views[0], views[2])
     # The in-place kernels alternate x2 / x0.5 (exact) and +b / -b, so the values stay bounded however many
     # calls run.
     flip = [True]
@@ -159,13 +189,17 @@ class StreamKernels:
     ``adam_pattern`` below ran at 49.5 against 39.9 for ``add_`` in the same process. That pattern is the
     ceiling an AdamW step can be held to; the others stay in the report for comparison with other machines."""
 
-    def __init__(self, device: str, footprint: int | None = None, calls: int = 2) -> None:
+    def __init__(self, device: str, footprint: int | None = None, calls: int = 2,
+                 names: tuple[str, ...] | None = None) -> None:  # fmt: skip
+        """``names``: the kernels of STREAM_KERNELS to run (default all)."""
         self.device, self.calls = device, calls
         self.footprint = footprint or default_footprint(device)
         numel = self.footprint // 4
         self.pool = torch.empty(numel, dtype=torch.float32, device=device).uniform_(0.5, 1.0)
         self.fns, self.counted, self.skipped = {}, {}, {}
         for name, arrays, per_elem, _ in STREAM_KERNELS:
+            if names is not None and name not in names:
+                continue
             n = numel // arrays
             fn = _stream_fn(name, [self.pool[i * n : (i + 1) * n] for i in range(arrays)])
             try:
@@ -182,7 +216,8 @@ class StreamKernels:
         for name, fn in self.fns.items():
             samples.setdefault(name, []).append(_device_ms(fn, self.device, self.calls))
 
-    def summary(self, samples: dict[str, list[float]]) -> dict:
+    def summary(self, samples: dict[str, list[float]], roofline: str | None = None) -> dict:
+        """GB/s of each kernel; the roofline is the best of them, or the kernel named ``roofline``."""
         kernels = {}
         for name, _, _, meaning in STREAM_KERNELS:
             if name not in self.fns:
@@ -190,7 +225,7 @@ class StreamKernels:
             t = quantile_row(samples[name])
             kernels[name] = {"gbs": self.counted[name] / (t["ms"] / 1e3) / 1e9, **t,
                              "bytes_counted": self.counted[name], "pattern": meaning}  # fmt: skip
-        best = max(kernels, key=lambda k: kernels[k]["gbs"])
+        best = roofline or max(kernels, key=lambda k: kernels[k]["gbs"])
         return {"footprint_bytes": self.footprint, "kernels": kernels, "roofline_kernel": best,
                 "roofline_gbs": kernels[best]["gbs"], "copy_gbs": kernels["copy"]["gbs"],
                 "skipped": self.skipped}  # fmt: skip
@@ -203,13 +238,22 @@ def result_base(name: str) -> str:
 
 
 def write_results(name: str, rows: list[dict], meta: dict) -> str:
+    """``name``.json (meta and rows) and ``name``.csv (rows: SCHEMA's columns first), then ``name``.png
+    drawn by plot.py. Returns the path without extension."""
+    for r in rows:
+        missing = [k for k in SCHEMA if k not in r]
+        if missing:
+            raise ValueError(f"benchmark row without {missing}: {r}")
     base = result_base(name)
     os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     with open(base + ".csv", "w", newline="") as f:
-        fields = list(dict.fromkeys(k for r in rows for k in r))
+        fields = list(dict.fromkeys([*SCHEMA, *(k for r in rows for k in r)]))
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
+    import plot  # benchmarks/plot.py, next to this file (the benchmarks put this folder on sys.path)
+
+    plot.draw(base + ".csv")
     return base
