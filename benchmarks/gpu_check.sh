@@ -41,9 +41,9 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to OUT/NAME.log
 
 : >"$out/summary.txt"
 { nvidia-smi; python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"; } >"$out/env.txt" 2>&1
-# 210 s: the CUDA build, for the visible GPU's arch only, on all cores (measured 4.6 CPU-minutes for three archs
+# 190 s: the CUDA build, for the visible GPU's arch only, on all cores (measured 4.6 CPU-minutes for three archs
 # on the CPU machine). The build log's "fastops setup:" lines say which toolkit, headers and archs it took.
-step build 210 python -m pip install -v --no-build-isolation --no-deps -e .
+step build 190 python -m pip install -v --no-build-isolation --no-deps -e .
 # 15 s: imports and the backend table.
 step info 15 python -m fastops info
 # 75 s: the CUDA tests, Triton kernels compiled for real.
@@ -52,9 +52,11 @@ step tests_cuda 75 python -m pytest -q -m cuda tests
 step bench_adamw 35 python benchmarks/bench_adamw.py --device cuda --sizes 1 16 100 --rounds 5 --repeats 10 --out "$out/adamw_cuda"
 # 20 s: unscale kernel and the AMP optimizer phase at 24M params.
 step bench_amp 20 python benchmarks/bench_amp.py --device cuda --rounds 5 --repeats 10 --out "$out/amp_cuda"
+# 20 s: momentum SGD at 1M/16M/64M against torch's fused/foreach paths and its 20 B/param roofline.
+step bench_sgd 20 python benchmarks/bench_sgd.py --device cuda --sizes 1 16 64 --rounds 5 --repeats 10 --out "$out/sgd_cuda"
 # 25 s: H2D copies of 64 and 256 MiB batches under a matmul step (the CPU part is skipped here).
 step bench_prefetch 25 python benchmarks/bench_prefetch.py --quick --cuda-only --cuda-sizes 64 256 --out "$out/prefetch"
-# 50 s: end to end on the BERT-like model (bf16 autocast on CUDA), 5 providers, each in its own process
+# 50 s: end to end on HF BERT (bf16 autocast on CUDA), 4 providers, each in its own process
 # (imports and CUDA start-up, ~5 s each, then 5 steps).
 step bench_train 50 python benchmarks/bench_train.py --quick --device cuda --models bert --out "$out/train_cuda"
 # 20 s: the demo, plain PyTorch then fastops.accelerate on TinyGPT.

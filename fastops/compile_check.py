@@ -77,7 +77,8 @@ def resident_blocks(arch: int, threads: int, regs: int, smem: int) -> int:
 # threads (binding.cpp's launch_context, kernels.cuh): four resident blocks an SM, or the grid runs in waves.
 # grad_stats_reduce is one block.
 CUDA_LAUNCHES = {
-    "adam_kernel": (512, 4),
+    "adam_kernel": (512, None),
+    "sgd_kernel": (512, None),
     "unscale_check_kernel": (512, 4),
     "grad_stats_partials_kernel": (512, 4),
     "grad_stats_reduce_kernel": (512, 1),
@@ -230,8 +231,22 @@ def _adam(o: dict[str, Any]) -> None:
     )  # fmt: skip
 
 
+def _sgd(o: dict[str, Any]) -> None:
+    from fastops import kernels
+
+    p, g = _zeros(N, o["dtype"], o["aligned"]), torch.zeros(N, dtype=o["dtype"])
+    # The op's invalid combinations (nesterov without momentum, nesterov with dampening) map to valid ones.
+    momentum = 0.9 if o["momentum"] or o["nesterov"] else 0.0
+    kernels.sgd_step_(
+        [p], [g], [torch.zeros(N)] if momentum else [], [torch.zeros(N)] if o["master"] else [],
+        _scalar(o["lr"], 1e-3), 0.01 if o["weight_decay"] else 0.0, momentum,
+        0.0 if o["nesterov"] else o["dampening"], o["nesterov"], o["maximize"], o["first"],
+        _scalar(o["grad_scale"]), _scalar(o["found_inf"], 0.0),
+    )  # fmt: skip
+
+
 def _grads(o: dict[str, Any]) -> list[torch.Tensor]:
-    from fastops.kernels.adam import block_sizes
+    from fastops.kernels._common import block_sizes
 
     # "chunks" chunks in all: 1 and multiples of 16 are distinct Triton specializations of an int argument.
     n = (o["chunks"] - 1) * block_sizes("stats")[0] + 1
@@ -258,6 +273,12 @@ OPS = [
         "dtype": DTYPES, "aligned": (False, True), "lr": ("host", torch.float64, torch.float32),
         "grad_scale": SCALAR, "found_inf": (None, torch.float32), "weight_decay": ("none", "l2", "decoupled"),
         "beta1": (0.1, 0.9), "maximize": (False, True), "amsgrad": (False, True), "master": (False, True),
+    }),
+    Op("sgd_step_", _sgd, {
+        "dtype": DTYPES, "aligned": (False, True), "lr": ("host", torch.float64, torch.float32),
+        "grad_scale": SCALAR, "found_inf": (None, torch.float32), "weight_decay": (False, True),
+        "momentum": (False, True), "dampening": (0.0, 0.1), "nesterov": (False, True), "maximize": (False, True),
+        "first": (False, True), "master": (False, True),
     }),
     Op("unscale_check_", _unscale, {"dtype": DTYPES, "aligned": (False, True), "inv_scale": ("host", torch.float32)}),
     Op("grad_stats", _grad_stats, {
