@@ -14,27 +14,42 @@ import torch
 from ._checks import check_adam_args, check_found_inf, check_grads, check_scalar, check_sgd_args
 
 
+def _step_lr(op, params, lr, grad_scale, found_inf):
+    """The step's lr as a float, after the scalar checks; None when there is nothing to do (no params, or
+    found_inf set: a skipped step writes nothing)."""
+    if not params:
+        return None
+    for name, t in (("lr", lr), ("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if t is not None:
+            check_scalar(t, op, name, params[0].device)
+    if found_inf is not None and found_inf.item() != 0:
+        return None
+    return float(lr.item())
+
+
+def _fp32_param_and_grad(param, master, grad, grad_scale):
+    """What the update runs on: the fp32 master (or the param itself, or an fp32 copy written back after) and
+    the fp32 grad divided by grad_scale."""
+    p = master if master is not None else (param if param.dtype == torch.float32 else param.float())
+    g = grad if grad.dtype == torch.float32 else grad.float()
+    if grad_scale is not None:
+        g = g / grad_scale.to(g.device)
+    return p, g
+
+
 @torch.no_grad()
 def adam_step_(
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params,
     lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, grad_scale, found_inf,
 ):  # fmt: skip
     check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad)
-    if not params:
+    lr = _step_lr("adam_step_", params, lr, grad_scale, found_inf)
+    if lr is None:
         return
-    for name, t in (("lr", lr), ("grad_scale", grad_scale), ("found_inf", found_inf)):
-        if t is not None:
-            check_scalar(t, "adam_step_", name, params[0].device)
-    if found_inf is not None and found_inf.item() != 0:
-        return
-    lr = float(lr.item())
     for i, param in enumerate(params):
         step_t = state_steps[i]
         step_t += 1
-        p = master_params[i] if master_params else (param if param.dtype == torch.float32 else param.float())
-        grad = grads[i] if grads[i].dtype == torch.float32 else grads[i].float()
-        if grad_scale is not None:
-            grad = grad / grad_scale.to(grad.device)
+        p, grad = _fp32_param_and_grad(param, master_params[i] if master_params else None, grads[i], grad_scale)
         if maximize:
             grad = -grad
         if weight_decay != 0:
@@ -68,19 +83,11 @@ def sgd_step_(
 ):  # fmt: skip
     # For fp32 params: the operations of torch.optim.SGD's for-loop implementation, in its order.
     check_sgd_args(params, grads, momentum_buffers, master_params, momentum)
-    if not params:
+    lr = _step_lr("sgd_step_", params, lr, grad_scale, found_inf)
+    if lr is None:
         return
-    for name, t in (("lr", lr), ("grad_scale", grad_scale), ("found_inf", found_inf)):
-        if t is not None:
-            check_scalar(t, "sgd_step_", name, params[0].device)
-    if found_inf is not None and found_inf.item() != 0:
-        return
-    lr = float(lr.item())
     for i, param in enumerate(params):
-        p = master_params[i] if master_params else (param if param.dtype == torch.float32 else param.float())
-        grad = grads[i] if grads[i].dtype == torch.float32 else grads[i].float()
-        if grad_scale is not None:
-            grad = grad / grad_scale.to(grad.device)
+        p, grad = _fp32_param_and_grad(param, master_params[i] if master_params else None, grads[i], grad_scale)
         if maximize:
             grad = -grad
         if weight_decay != 0:
