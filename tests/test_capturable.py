@@ -18,7 +18,7 @@ import torch
 
 import fastops
 from fastops import _backend, amp, optim
-from fastops.kernels import adam as kadam
+from fastops.kernels import _common as kcommon
 
 # Tensor methods that hand a value to Python, and torch functions whose result depends on values on the host.
 _TENSOR_READS = ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__float__", "__int__", "__index__",
@@ -59,7 +59,7 @@ def no_host_reads():
             mp.setattr(torch.Tensor, name, forbid(torch.Tensor, name))
         for name in _TORCH_READS:
             mp.setattr(torch, name, forbid(torch, name))
-        mp.setattr(kadam, "build_table", on_host(kadam.build_table))
+        mp.setattr(kcommon, "build_table", on_host(kcommon.build_table))
         yield
 
 

@@ -156,6 +156,7 @@ def test_low_precision_follows_the_documented_fp32_update(cpu_backend, dtype, ma
     emul = [torch.nn.Parameter(p.detach().float()) for p in mine]
     opt = fastops.optim.SGD(mine, master_weights=master, **kw)
     ref = torch.optim.SGD(emul, foreach=False, **kw)
+    peak = [e.detach().abs().amax() if e.numel() else torch.tensor(0.0) for e in emul]
     for step in range(STEPS):
         for p, e, g in zip(mine, emul, _grads(step, mine)):
             p.grad, e.grad = g, g.float()
@@ -165,13 +166,18 @@ def test_low_precision_follows_the_documented_fp32_update(cpu_backend, dtype, ma
             with torch.no_grad():
                 for e in emul:
                     e.copy_(e.to(dtype).float())
+        peak = [torch.maximum(m, e.detach().abs().amax()) if e.numel() else m for m, e in zip(peak, emul)]
     tol = FP32_TOL[cpu_backend]
-    for p, e in zip(mine, emul):
+    ulp = torch.finfo(dtype).eps
+    for p, e, m in zip(mine, emul, peak):
         if master and p.numel():
             torch.testing.assert_close(opt.state[p]["master_param"], e.detach(), rtol=tol, atol=tol)
-        # One rounding of values that agree to `tol`: at most one ulp of the param's dtype apart.
-        ulp = torch.finfo(dtype).eps
-        torch.testing.assert_close(p.float(), e.detach().to(dtype).float(), rtol=ulp if tol else 0, atol=0)
+        # Exact on the reference. Elsewhere fp32 values that agree to `tol` can round to neighbouring values of
+        # the param's dtype at some step: one ulp at the magnitude the param had then, which stays as an absolute
+        # difference when the value later moves towards zero (the Triton interpreter's unfused fma did that to
+        # one fp16 element of 1023 without master weights: 2.2e-4 at a value of 6.6e-3).
+        atol = float(ulp * m) if tol else 0.0
+        torch.testing.assert_close(p.float(), e.detach().to(dtype).float(), rtol=ulp if tol else 0, atol=atol)
 
 
 @pytest.mark.parametrize("dampening", [0.0, 0.3])
