@@ -334,7 +334,8 @@ class Prefetcher:
             and the containers torch's pytree knows (``fastops._tree.map_tensors``). Other leaves pass through
             unchanged.
         device: where the batches go. ``None`` means the current CUDA device if CUDA is available, else
-            the CPU. On the CPU the batches are passed through as they are (no copies).
+            the CPU. On the CPU the batches are passed through as they are, copied only where the loader may
+            still own their tensors (see the module docstring).
         depth: how many batches to keep ready (>= 1).
         non_blocking: copy host to device asynchronously. ``False`` makes the worker wait for each copy;
             only useful for debugging.

@@ -12,7 +12,6 @@ the run completes with finite losses.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
