@@ -87,6 +87,41 @@ def check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state
             raise RuntimeError(f"fastops.adam_step_: state_steps[{i}] must be a float32 tensor with one element")
 
 
+def check_adam_lowp_args(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, state_steps,
+                         master_params) -> str:
+    """The checks of ``adam_step_lowp_``; returns its mode, "8bit" (uint8 states) or "bf16"."""
+    op = "fastops.adam_step_lowp_"
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "state_steps": state_steps}
+    if len(master_params):
+        lists["master_params"] = master_params
+    _check_per_param("adam_step_lowp_", params, grads, lists, ("master_params",))
+    state_dtype = exp_avgs[0].dtype if len(exp_avgs) else torch.uint8
+    if state_dtype not in (torch.uint8, torch.bfloat16):
+        raise RuntimeError(f"{op}: exp_avgs[0] has dtype {state_dtype}; expected uint8 (8-bit states) or bfloat16")
+    mode = "8bit" if state_dtype == torch.uint8 else "bf16"
+    for name in ("exp_avgs", "exp_avg_sqs"):
+        for i, t in enumerate(lists[name]):
+            check_like(t, params[i], f"{name}[{i}]", f"params[{i}]", state_dtype, prefix=f"{op}: ")
+    for i, s in enumerate(state_steps):
+        if s.numel() != 1 or s.dtype != torch.float32:
+            raise RuntimeError(f"{op}: state_steps[{i}] must be a float32 tensor with one element")
+    for name, lst in (("exp_avg_absmax", exp_avg_absmax), ("exp_avg_sq_absmax", exp_avg_sq_absmax)):
+        if mode == "bf16":
+            if len(lst):
+                raise RuntimeError(f"{op}: {name} must be empty with bfloat16 states")
+            continue
+        if len(lst) != len(params):
+            raise RuntimeError(f"{op}: expected {len(params)} {name} (one per param), got {len(lst)}")
+        for i, a in enumerate(lst):
+            blocks = (params[i].numel() + 255) // 256
+            if a.dtype != torch.float32 or a.device != params[i].device or a.dim() != 1 or a.numel() != blocks or not a.is_contiguous():
+                raise RuntimeError(
+                    f"{op}: {name}[{i}] must be a contiguous 1-D float32 tensor of {blocks} elements (one per 256 "
+                    f"of params[{i}]) on {params[i].device}, got {a.dtype} of shape {tuple(a.shape)} on {a.device}"
+                )
+    return mode
+
+
 def check_sgd_args(params, grads, momentum_buffers, master_params, momentum) -> None:
     lists = {"grads": grads}
     if momentum != 0:

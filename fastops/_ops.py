@@ -18,6 +18,14 @@ Semantics shared by every backend:
     dtype. ``lr`` is a 0-d tensor, on the CPU (read on the host) or on the params' device (read in the
     kernel, which is what CUDA-graph capture needs).
 
+``adam_step_lowp_``
+    ``adam_step_`` (without amsgrad) on states kept in fewer bytes, their format given by the dtype of
+    ``exp_avgs`` (fastops/_quant.py defines both): uint8 codes like the param plus one fp32 absmax per 256
+    elements in ``exp_avg_absmax``/``exp_avg_sq_absmax`` ("8bit", bitsandbytes' dynamic maps, nearest
+    rounding), or bf16 with stochastic rounding from a counter-based hash of (``seed``, the tensor's index in
+    the lists, the element's index), with empty absmax lists. The states are decoded, updated and re-encoded
+    in the same pass as the param update, which uses the unrounded fp32 values.
+
 ``sgd_step_``
     One SGD step (torch.optim.SGD's update: weight decay, momentum with dampening, nesterov, maximize) over a
     list of tensors in one call. ``momentum_buffers`` is empty when ``momentum == 0``, else one fp32 tensor
@@ -50,6 +58,12 @@ SCHEMAS = {
         "float beta1, float beta2, float eps, float weight_decay, bool amsgrad, bool maximize, "
         "bool decoupled, Tensor? grad_scale, Tensor? found_inf) -> ()"
     ),
+    "adam_step_lowp_": (
+        "adam_step_lowp_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+        "Tensor(d!)[] exp_avg_absmax, Tensor(e!)[] exp_avg_sq_absmax, Tensor(f!)[] state_steps, "
+        "Tensor(g!)[] master_params, Tensor lr, float beta1, float beta2, float eps, float weight_decay, "
+        "bool maximize, bool decoupled, int seed, Tensor? grad_scale, Tensor? found_inf) -> ()"
+    ),
     "sgd_step_": (
         "sgd_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] master_params, "
         "Tensor lr, float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, "
@@ -61,12 +75,16 @@ SCHEMAS = {
 
 # Positions of the mutated arguments, so the dispatcher kernel can bump autograd version counters the way
 # torch's own in-place ops do (measured: 15 us for 300 tensors, against 200 us for custom_op's wrapper).
-_MUTATED = {"adam_step_": (0, 2, 3, 4, 5, 6), "sgd_step_": (0, 2, 3), "unscale_check_": (0, 1), "grad_stats": ()}
+_MUTATED = {"adam_step_": (0, 2, 3, 4, 5, 6), "adam_step_lowp_": (0, 2, 3, 4, 5, 6, 7), "sgd_step_": (0, 2, 3), "unscale_check_": (0, 1), "grad_stats": ()}
 
 _lib = torch.library.Library("fastops", "DEF")
 
 
 def _fake_adam_step_(*args) -> None:
+    return None
+
+
+def _fake_adam_step_lowp_(*args) -> None:
     return None
 
 
@@ -83,7 +101,7 @@ def _fake_grad_stats(grads, inv_scale=None):
     return grads[0].new_empty((3,), dtype=torch.float32)
 
 
-_FAKES = {"adam_step_": _fake_adam_step_, "sgd_step_": _fake_sgd_step_, "unscale_check_": _fake_unscale_check_, "grad_stats": _fake_grad_stats}
+_FAKES = {"adam_step_": _fake_adam_step_, "adam_step_lowp_": _fake_adam_step_lowp_, "sgd_step_": _fake_sgd_step_, "unscale_check_": _fake_unscale_check_, "grad_stats": _fake_grad_stats}
 
 
 def _make_kernel(name: str, device_type: str):
@@ -118,6 +136,7 @@ for _name, _schema in SCHEMAS.items():
     _lib.impl(_name, _make_fallback(_name), "CompositeExplicitAutograd")
 
 adam_step_ = torch.ops.fastops.adam_step_.default
+adam_step_lowp_ = torch.ops.fastops.adam_step_lowp_.default
 sgd_step_ = torch.ops.fastops.sgd_step_.default
 unscale_check_ = torch.ops.fastops.unscale_check_.default
 grad_stats = torch.ops.fastops.grad_stats.default

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from ._checks import check_adam_args, check_found_inf, check_grads, check_scalar, check_sgd_args
+from . import _quant
+from ._checks import check_adam_args, check_adam_lowp_args, check_found_inf, check_grads, check_scalar, check_sgd_args
 
 
 def _step_lr(op, params, lr, grad_scale, found_inf):
@@ -74,6 +75,54 @@ def adam_step_(
         p.addcdiv_(exp_avg, denom, value=-step_size)
         if p is not param:
             param.copy_(p)
+
+
+@torch.no_grad()
+def adam_step_lowp_(
+    params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, state_steps, master_params,
+    lr, beta1, beta2, eps, weight_decay, maximize, decoupled, seed, grad_scale, found_inf,
+):  # fmt: skip
+    # adam_step_'s update on states decoded to fp32, written back in their low-precision format (fastops/_quant.py).
+    mode = check_adam_lowp_args(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, state_steps,
+                                master_params)  # fmt: skip
+    lr = _step_lr("adam_step_lowp_", params, lr, grad_scale, found_inf)
+    if lr is None:
+        return
+    for i, param in enumerate(params):
+        step_t = state_steps[i]
+        step_t += 1
+        p, grad = _fp32_param_and_grad(param, master_params[i] if master_params else None, grads[i], grad_scale)
+        if maximize:
+            grad = -grad
+        if weight_decay != 0:
+            if decoupled:
+                p.mul_(1 - lr * weight_decay)
+            else:
+                grad = grad.add(p, alpha=weight_decay)
+        if mode == "8bit":
+            exp_avg = _quant.dequantize(exp_avgs[i], exp_avg_absmax[i], signed=True)
+            exp_avg_sq = _quant.dequantize(exp_avg_sqs[i], exp_avg_sq_absmax[i], signed=False)
+        else:
+            exp_avg = exp_avgs[i].float()
+            exp_avg_sq = exp_avg_sqs[i].float()
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+
+        step = step_t.item()
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = lr / bias_correction1
+        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+        p.addcdiv_(exp_avg, denom, value=-step_size)
+        if p is not param:
+            param.copy_(p)
+        if mode == "8bit":
+            _quant.quantize(exp_avg, True, exp_avgs[i], exp_avg_absmax[i])
+            _quant.quantize(exp_avg_sq, False, exp_avg_sqs[i], exp_avg_sq_absmax[i])
+        elif param.numel():
+            bits = _quant.sr_bits(_quant.sr_key(seed, i), param.numel(), param.device)
+            for state, new, rand in ((exp_avgs[i], exp_avg, bits & 0xFFFF), (exp_avg_sqs[i], exp_avg_sq, bits >> 16)):
+                _quant.memory_flat(state).copy_(_quant.round_bf16_stochastic(_quant.memory_flat(new), rand))
 
 
 @torch.no_grad()
