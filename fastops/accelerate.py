@@ -76,7 +76,7 @@ import torch.utils._pytree as pytree
 
 from . import amp, optim
 from ._ops import unscale_check_
-from ._tree import forward_attribute, map_tensors
+from ._util import forward_attribute, map_tensors, resolve_device
 
 __all__ = ["accelerate", "Accelerator"]
 
@@ -134,37 +134,6 @@ def _native_bf16(device: torch.device) -> bool:
         return torch.cuda.is_bf16_supported()
     # Without AVX512-BF16/AMX, CPU bf16 matmuls are emulated and slower than fp32.
     return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def _resolve_device(device: torch.device | str | None, local_rank: int | None) -> torch.device:
-    """The training device. ``local_rank`` is LOCAL_RANK when this is one of several launched processes (None
-    otherwise): a CUDA device given without an index, or no device at all, then means cuda:LOCAL_RANK, so
-    that ranks do not all share the current device (cuda:0 in every fresh process)."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"fastops.accelerate: unknown device {device!r}") from e
-    if dev.type not in ("cpu", "cuda"):  # what fastops' kernels and Prefetcher run on; meta holds no data
-        raise ValueError(f"fastops.accelerate: cannot train on device {device!r}; use 'cpu' or 'cuda'")
-    if dev.type == "cpu":
-        return dev
-    if not torch.cuda.is_available():
-        raise ValueError(f"fastops.accelerate: device {device!r} requested but CUDA is not available")
-    count = torch.cuda.device_count()
-    if dev.index is None:
-        if local_rank is None:
-            return torch.device("cuda", torch.cuda.current_device())
-        if local_rank >= count:
-            raise ValueError(
-                f"fastops.accelerate: LOCAL_RANK={local_rank} but this process sees {count} CUDA device(s); pass "
-                "device='cuda:N' for the device this rank should use"
-            )
-        return torch.device("cuda", local_rank)
-    if dev.index >= count:
-        raise ValueError(f"fastops.accelerate: device {device!r} does not exist ({count} CUDA device(s) visible)")
-    return dev
 
 
 def _keep_freed_memory() -> bool:
@@ -369,7 +338,7 @@ class Accelerator:
         launched = "WORLD_SIZE" in env and "RANK" in env
         several = dist.is_available() and (launched or dist.is_initialized())
         local_rank = int(env["LOCAL_RANK"]) if several and "LOCAL_RANK" in env else None
-        self.device = _resolve_device(device, local_rank)
+        self.device = resolve_device(device, local_rank, who="fastops.accelerate")
         if launched and not dist.is_initialized():
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # before NCCL creates its communicator

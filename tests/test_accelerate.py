@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from fastops import optim
+from fastops import _util, optim
 from fastops.accelerate import Accelerator, accelerate
 from tests import dist_worker
 
@@ -911,7 +911,7 @@ def test_checkpoint_with_numpy_hyperparameters_loads(tmp_path):
         (dict(grad_clip=-1.0), "grad_clip must be > 0"),
         (dict(strategy="ddp"), "strategy='ddp' needs a process group"),
         (dict(strategy="fsdp"), "strategy='fsdp' needs a process group"),
-        (dict(device="meta"), "cannot train on device 'meta'; use 'cpu' or 'cuda'"),
+        (dict(device="meta"), "device 'meta' is not supported; use 'cpu' or 'cuda'"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -951,7 +951,7 @@ def test_device_resolution(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    resolve = facc._resolve_device
+    resolve = _util.resolve_device
     # Under torchrun (LOCAL_RANK=2): "cuda" and no device both mean this rank's GPU, not every rank on one.
     assert resolve("cuda", local_rank=2) == resolve(None, local_rank=2) == torch.device("cuda", 2)
     assert resolve("cuda:1", local_rank=2) == torch.device("cuda", 1)
