@@ -394,8 +394,33 @@ void store_bf16_sr(const float* __restrict m, const float* __restrict v, uint16_
                    uint16_t* __restrict vo, int64_t n, uint32_t key, int64_t k0) {
   const uint32_t base = key ^ (static_cast<uint32_t>(static_cast<uint64_t>(k0) >> 32) * 0x85EBCA6Bu);
   const uint32_t lo = static_cast<uint32_t>(k0);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
+  int64_t i = 0;
+#if FASTOPS_HAVE_AVX2
+  // GCC 12 left this loop scalar (27% of a bf16 step at 16M params, 3.5 ns/param in all).
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), vbase = _mm256_set1_epi32(int(base));
+  const __m256i c1 = _mm256_set1_epi32(0x7FEB352D), c2 = _mm256_set1_epi32(int(0x846CA68Bu));
+  const __m256i low16 = _mm256_set1_epi32(0xffff), abs_mask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i inf = _mm256_set1_epi32(0x7f800000), qnan = _mm256_set1_epi32(0x7fc0);
+  auto round8 = [&](const float* src, __m256i r16) {
+    const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(src));
+    const __m256i mag = _mm256_and_si256(u, abs_mask);
+    const __m256i finite = _mm256_cmpgt_epi32(inf, mag);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_and_si256(r16, finite)), 16);
+    r = _mm256_blendv_epi8(r, qnan, _mm256_cmpgt_epi32(mag, inf));
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  };
+  for (; i + 8 <= n; i += 8) {
+    __m256i x = _mm256_xor_si256(_mm256_add_epi32(_mm256_set1_epi32(int(lo + uint32_t(i))), iota), vbase);
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, c1);
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, c2);
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(mo + i), round8(m + i, _mm256_and_si256(x, low16)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(vo + i), round8(v + i, _mm256_srli_epi32(x, 16)));
+  }
+#endif
+  for (; i < n; ++i) {
     const uint32_t r = mix32((lo + static_cast<uint32_t>(i)) ^ base);
     mo[i] = bf16_sr(m[i], r & 0xffffu);
     vo[i] = bf16_sr(v[i], r >> 16);
