@@ -314,11 +314,19 @@ inline uint8_t encode1(float x, const QuantMap& q) {
 
 // codes[i] = encode(x[i] / absmax). AVX2: the decade is the count of the 6 boundaries a lane reaches (6
 // compares), its P, F and n come from one vpermps each, and the rest is 8 lanes of the scalar formula.
-template <bool kSigned>
-void encode_block(const float* __restrict x, float absmax, uint8_t* __restrict codes, int64_t n, const QuantMap& q) {
+//
+// kRecip: x / absmax as Markstein's correction of x * RN(1 / absmax) (q0 = x*y, r = x - q0*absmax exact by FMA,
+// q = RN(q0 + r*y)), which is the correctly rounded quotient whenever y is RN(1/b) and nothing underflows
+// (Handbook of Floating-Point Arithmetic, thm. 4.10): 3 FMA-unit ops in place of vdivps, which measured 3.6 ->
+// 2.9 ns/param for the 8-bit step (16M params, 1 thread). Used for 2^-60 <= absmax <= 2^100, where only
+// |x| < 2^-100 can underflow, and their quotients (< 2^-40) encode to 0 (below T[0] ~ 2^-24) either way;
+// checked against IEEE division on 4e8 random pairs in that range (0 differences in code).
+template <bool kSigned, bool kRecip>
+void encode_loop(const float* __restrict x, float absmax, uint8_t* __restrict codes, int64_t n, const QuantMap& q) {
   int64_t i = 0;
 #if FASTOPS_HAVE_AVX2
   const __m256 am = _mm256_set1_ps(absmax);
+  const __m256 y = _mm256_set1_ps(1.0f / absmax);
   const __m256 pv = _mm256_loadu_ps(q.P), fv = _mm256_loadu_ps(q.F);
   const __m256i nv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.n));
   const __m256 t0 = _mm256_set1_ps(q.T[0]), t1 = _mm256_set1_ps(q.T[1]), t2 = _mm256_set1_ps(q.T[2]),
@@ -328,7 +336,14 @@ void encode_block(const float* __restrict x, float absmax, uint8_t* __restrict c
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   const __m256i one = _mm256_set1_epi32(1), c80 = _mm256_set1_epi32(0x80), cff = _mm256_set1_epi32(0xff);
   for (; i + 8 <= n; i += 8) {
-    const __m256 xv = _mm256_div_ps(_mm256_loadu_ps(x + i), am);
+    const __m256 xi = _mm256_loadu_ps(x + i);
+    __m256 xv;
+    if constexpr (kRecip) {
+      const __m256 q0 = _mm256_mul_ps(xi, y);
+      xv = _mm256_fmadd_ps(_mm256_fnmadd_ps(q0, am, xi), y, q0);
+    } else {
+      xv = _mm256_div_ps(xi, am);
+    }
     const __m256 a = kSigned ? _mm256_and_ps(xv, abs_mask) : xv;
     __m256i d = _mm256_castps_si256(_mm256_cmp_ps(a, t1, _CMP_GE_OQ));  // -1 per boundary reached
     d = _mm256_add_epi32(d, _mm256_castps_si256(_mm256_cmp_ps(a, t2, _CMP_GE_OQ)));
@@ -358,15 +373,27 @@ void encode_block(const float* __restrict x, float absmax, uint8_t* __restrict c
   for (; i < n; ++i) codes[i] = encode1<kSigned>(x[i] / absmax, q);
 }
 
-// out[i] = qmap[codes[i]] * absmax.
+template <bool kSigned>
+void encode_block(const float* __restrict x, float absmax, uint8_t* __restrict codes, int64_t n, const QuantMap& q) {
+#if FASTOPS_HAVE_AVX2 && FASTOPS_HAVE_FMA
+  if (absmax >= 0x1p-60f && absmax <= 0x1p100f) return encode_loop<kSigned, true>(x, absmax, codes, n, q);
+#endif
+  encode_loop<kSigned, false>(x, absmax, codes, n, q);
+}
+
+// out[i] = qmap[codes[i]] * absmax. Eight scalar loads a vector rather than vpgatherdd: 3.2 against 3.35
+// ns/param for the whole 8-bit step (100k params in L2, 1 thread, CPU time, Zen 3).
 void decode_block(const uint8_t* __restrict codes, float absmax, const float* __restrict qmap, float* __restrict out,
                   int64_t n) {
   int64_t i = 0;
 #if FASTOPS_HAVE_AVX2
   const __m256 am = _mm256_set1_ps(absmax);
   for (; i + 8 <= n; i += 8) {
-    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(qmap, idx, 4), am));
+    uint64_t c;
+    __builtin_memcpy(&c, codes + i, 8);
+    const __m128 lo = _mm_setr_ps(qmap[c & 0xff], qmap[(c >> 8) & 0xff], qmap[(c >> 16) & 0xff], qmap[(c >> 24) & 0xff]);
+    const __m128 hi = _mm_setr_ps(qmap[(c >> 32) & 0xff], qmap[(c >> 40) & 0xff], qmap[(c >> 48) & 0xff], qmap[c >> 56]);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_set_m128(hi, lo), am));
   }
 #endif
   for (; i < n; ++i) out[i] = qmap[codes[i]] * absmax;
