@@ -345,7 +345,8 @@ class _Fused:
             # The state format is this optimizer's (the post hook converts the saved states to it).
             extra.update({k: current[k] for k in _LOWP_KEYS if k in current})
             groups.append({**saved, **extra})
-        self._sr_step.fill_(max(sr_steps))
+        # Applied by the post hook: torch's load_state_dict calls __setstate__, which makes a new _sr_step.
+        self._fastops_sr_loading = max(sr_steps)
         return {**state_dict, "param_groups": groups}
 
     @staticmethod
@@ -381,6 +382,7 @@ class _Fused:
         master, a float32 step on the param's device. Params the kernels do not take keep torch's layout (their
         group runs torch's step). fastops.accelerate and ``fuse_`` call it to convert torch's own state."""
         loading = self.__dict__.pop("_fastops_loading", [])
+        self._sr_step.fill_(self.__dict__.pop("_fastops_sr_loading", 0))
         if self.defaults.get("differentiable", False):  # every group runs torch's step
             return
         owner = {p: group for group in self.param_groups for p in group["params"]}
