@@ -136,7 +136,7 @@ def train(case: dict, provider: str, steps: int, batches: list) -> dict:
         loss.backward()
         opt.step()
         ms.append((time.perf_counter() - t0) * 1e3)
-        losses.append(float(loss))
+        losses.append(loss.item())
         if not math.isfinite(losses[-1]):
             raise RuntimeError(f"{provider}: loss {losses[-1]} at step {step}")
     return {"losses": losses, "ms": ms, "state_bytes_per_param": state_bytes(opt) / n_params}

@@ -673,6 +673,13 @@ class _AdamBase(_Fused):
                 )
             base = self._sr_step.remainder(2**32).item()
         else:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                # A CUDA graph replays the seed it was captured with: every replay would draw the same bits.
+                raise RuntimeError(
+                    "fastops.optim: bf16 states (state_dtype='bf16') cannot be stepped inside CUDA-graph capture: the "
+                    "stochastic-rounding seed changes every step and a graph would replay the captured one. Use "
+                    "state_dtype='8bit' or 'fp32' for captured steps."
+                )
             base = int(self._sr_step) % 2**32
         self._sr_step.add_(1)
         return base
