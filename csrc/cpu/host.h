@@ -45,8 +45,8 @@ inline GradScaling grad_scaling(const std::optional<at::Tensor>& grad_scale, boo
 // All tensors of a call laid end to end in one index space, each padded to a multiple of kAlign elements
 // (so a work boundary inside a tensor falls on a 64-byte line for every dtype), cut into units of kUnit
 // elements. at::parallel_for over units then balances 100 small tensors like one large one, and a unit's
-// position never depends on the thread count.
-// align: 32 by default; 256 for the 8-bit states, whose blocks of 256 must not be split between units.
+// position never depends on the thread count. adam_step_lowp_ pads to 256 instead (`align`), so that no
+// 8-bit block of 256 elements, whose absmax one thread computes, is split between units.
 struct FlatLayout {
   static constexpr int64_t kAlign = 32;
   static constexpr int64_t kUnit = 16384;
