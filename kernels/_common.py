@@ -29,6 +29,8 @@ FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 _BLOCK_SIZES = {
     "adam": (16384, 1024, 4),
     "sgd": (16384, 1024, 8),
+    # Low-precision Adam: 4 elements a thread for every stream (uint8, bf16, fp32), one layout, no conversion.
+    "adam_lowp": (16384, 1024, 8),
     "unscale": (16384, 1024, 4),
     "stats": (16384, 1024, 4),
     # The second grad_stats pass is one program over the per-chunk partials.
