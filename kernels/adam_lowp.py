@@ -137,6 +137,35 @@ def _fma(a, b, c, EMULATE_FMA: tl.constexpr):
 
 
 @triton.jit
+def _row_scalars(ptr, blk0, r, nblocks, EVEN: tl.constexpr):
+    """[ROWS, 1]: row k holds ptr[blk0 + k]. Scalar loads: a [ROWS, 1] pointer tensor gets its own coalesced
+    layout, and moving the scales into the tile's took 4 layout conversions a trip."""
+    out = tl.zeros(r.shape, tl.float32)
+    for k in tl.static_range(r.shape[0]):
+        if EVEN:
+            x = tl.load(ptr + blk0 + k)
+        else:
+            x = tl.load(ptr + blk0 + k, mask=blk0 + k < nblocks, other=0.0)
+        out = tl.where(r == k, x, out)
+    return out
+
+
+@triton.jit
+def _store_rows(ptr, blk0, x, r, c, nblocks, EVEN: tl.constexpr):
+    """ptr[blk0 + k] = row k of ``x`` ([ROWS, 1]) as scalar stores, each value picked out of the whole tile by a sum
+    with one nonzero term (exact: absmax is never -0.0, and nan or inf carry through). A [ROWS] store gets a
+    layout of its own (the coalescer's), and moving the values into it took 4 layout conversions a trip; a row
+    reduction followed by a pick in the reduction's layout took 16. Reducing the full tile takes none."""
+    xs = x + tl.zeros((r.shape[0], QBLOCK), tl.float32)
+    for k in tl.static_range(r.shape[0]):
+        xk = tl.sum(tl.where((r == k) & (c == 0), xs, 0.0))
+        if EVEN:
+            tl.store(ptr + blk0 + k, xk)
+        else:
+            tl.store(ptr + blk0 + k, xk, mask=blk0 + k < nblocks)
+
+
+@triton.jit
 def _max_nan_rows(x):
     # Row max as [ROWS, 1], nan if any element of the row is nan (torch.amax; tl.max drops nans when compiled).
     mx = tl.max(x, axis=1)
@@ -146,13 +175,13 @@ def _max_nan_rows(x):
 
 @triton.jit
 def _lowp_tile(
-    p_ptr, g_ptr, m_ptr, v_ptr, ma_ptr, va_ptr, w_ptr, qs_ptr, qu_ptr, key, offs, blk, numel, nblocks,
+    p_ptr, g_ptr, m_ptr, v_ptr, ma_ptr, va_ptr, w_ptr, qs_ptr, qu_ptr, key, offs, blk0, r, c, numel, nblocks,
     scale, beta2, one_minus_beta2, lerp_weight, eps, weight_decay, decay, bc2_sqrt, neg_step_size,
     P_DTYPE: tl.constexpr, EIGHT_BIT: tl.constexpr, EVEN: tl.constexpr, SCALE: tl.constexpr,
     MAXIMIZE: tl.constexpr, WD: tl.constexpr, MASTER: tl.constexpr, LERP_SMALL: tl.constexpr,
     EMULATE_FMA: tl.constexpr,
 ):  # fmt: skip
-    # offs: [ROWS, 256] element indices; blk: [ROWS, 1] their block indices.
+    # offs: [ROWS, 256] element indices, row k of them block blk0 + k; r: [ROWS, 1] row numbers.
     if EVEN:
         if MASTER:
             p = tl.load(w_ptr + offs)
@@ -160,14 +189,13 @@ def _lowp_tile(
             p = tl.load(p_ptr + offs).to(tl.float32)
         g = tl.load(g_ptr + offs).to(tl.float32)
         if EIGHT_BIT:
-            m = tl.load(qs_ptr + tl.load(m_ptr + offs).to(tl.int32)) * tl.load(ma_ptr + blk)
-            v = tl.load(qu_ptr + tl.load(v_ptr + offs).to(tl.int32)) * tl.load(va_ptr + blk)
+            m = tl.load(qs_ptr + tl.load(m_ptr + offs).to(tl.int32)) * _row_scalars(ma_ptr, blk0, r, nblocks, True)
+            v = tl.load(qu_ptr + tl.load(v_ptr + offs).to(tl.int32)) * _row_scalars(va_ptr, blk0, r, nblocks, True)
         else:
             m = tl.load(m_ptr + offs).to(tl.float32)
             v = tl.load(v_ptr + offs).to(tl.float32)
     else:
         mask = offs < numel
-        bmask = blk < nblocks
         if MASTER:
             p = tl.load(w_ptr + offs, mask=mask, other=0.0)
         else:
@@ -176,8 +204,8 @@ def _lowp_tile(
         if EIGHT_BIT:
             mc = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.int32)
             vc = tl.load(v_ptr + offs, mask=mask, other=0).to(tl.int32)
-            m = tl.load(qs_ptr + mc) * tl.load(ma_ptr + blk, mask=bmask, other=0.0)
-            v = tl.load(qu_ptr + vc) * tl.load(va_ptr + blk, mask=bmask, other=0.0)
+            m = tl.load(qs_ptr + mc) * _row_scalars(ma_ptr, blk0, r, nblocks, False)
+            v = tl.load(qu_ptr + vc) * _row_scalars(va_ptr, blk0, r, nblocks, False)
         else:
             m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -216,8 +244,8 @@ def _lowp_tile(
         tl.store(m_ptr + offs, mq)
         tl.store(v_ptr + offs, vq)
         if EIGHT_BIT:
-            tl.store(ma_ptr + blk, ma)
-            tl.store(va_ptr + blk, va)
+            _store_rows(ma_ptr, blk0, ma, r, c, nblocks, True)
+            _store_rows(va_ptr, blk0, va, r, c, nblocks, True)
         if MASTER:
             tl.store(w_ptr + offs, p)
         tl.store(p_ptr + offs, pq)
@@ -225,8 +253,8 @@ def _lowp_tile(
         tl.store(m_ptr + offs, mq, mask=mask)
         tl.store(v_ptr + offs, vq, mask=mask)
         if EIGHT_BIT:
-            tl.store(ma_ptr + blk, ma, mask=bmask)
-            tl.store(va_ptr + blk, va, mask=bmask)
+            _store_rows(ma_ptr, blk0, ma, r, c, nblocks, False)
+            _store_rows(va_ptr, blk0, va, r, c, nblocks, False)
         if MASTER:
             tl.store(w_ptr + offs, p, mask=mask)
         tl.store(p_ptr + offs, pq, mask=mask)
@@ -288,9 +316,9 @@ def _adam_lowp_kernel(
         # Full chunk: no mask.
         for off in range(0, CHUNK, ROWS * QBLOCK):
             offs = start + off + tile
-            blk = (start + off) // QBLOCK + r
+            blk = (start + off) // QBLOCK
             _lowp_tile(
-                p_ptr, g_ptr, m_ptr, v_ptr, ma_ptr, va_ptr, w_ptr, qmap_signed, qmap_unsigned, key, offs, blk,
+                p_ptr, g_ptr, m_ptr, v_ptr, ma_ptr, va_ptr, w_ptr, qmap_signed, qmap_unsigned, key, offs, blk, r, c,
                 numel, nblocks, scale, beta2, one_minus_beta2, lerp_weight, eps, weight_decay, decay, bc2_sqrt,
                 neg_step_size, P_DTYPE, EIGHT_BIT, True, SCALE, MAXIMIZE, WD, MASTER, LERP_SMALL,
                 EMULATE_FMA,
@@ -299,10 +327,10 @@ def _adam_lowp_kernel(
         # (Loop names differ from the branch above: Triton merges same-named values of both branches.)
         for tail_off in range(0, numel - start, ROWS * QBLOCK):
             tail_offs = start + tail_off + tile
-            tail_blk = (start + tail_off) // QBLOCK + r
+            tail_blk = (start + tail_off) // QBLOCK
             _lowp_tile(
                 p_ptr, g_ptr, m_ptr, v_ptr, ma_ptr, va_ptr, w_ptr, qmap_signed, qmap_unsigned, key, tail_offs,
-                tail_blk, numel, nblocks, scale, beta2, one_minus_beta2, lerp_weight, eps, weight_decay, decay,
+                tail_blk, r, c, numel, nblocks, scale, beta2, one_minus_beta2, lerp_weight, eps, weight_decay, decay,
                 bc2_sqrt, neg_step_size, P_DTYPE, EIGHT_BIT, False, SCALE, MAXIMIZE, WD, MASTER, LERP_SMALL,
                 EMULATE_FMA,
             )  # fmt: skip
