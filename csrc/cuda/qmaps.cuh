@@ -1,5 +1,6 @@
-// Generated from fastops/_quant.py by tests/test_cuda.py::qmaps_header (test_qmaps_header_matches_quant fails when
-// they drift apart): the 8-bit maps' values and the encoder's fp32 constants, bit for bit (hex float literals).
+// Generated from fastops/_quant.py by tests/test_qmaps_header.py::qmaps_header (test_qmaps_header_matches_quant
+// fails when they drift apart): the 8-bit maps' values and the encoder's fp32 constants, bit for bit (hex
+// float literals).
 #pragma once
 
 namespace fastops {
