@@ -11,7 +11,6 @@ where fp32 streams take 4 a thread and bf16 ones 8, needs 4-8 of them and 139-18
 
 from __future__ import annotations
 
-import math
 import os
 import struct
 
@@ -104,6 +103,19 @@ def _encode(x, SIGNED: tl.constexpr):
     code = tl.where(a >= t7, top, code)
     code = tl.where(a >= t0, code, 0)
     return code.to(tl.uint8)
+
+
+@triton.jit
+def _pow_int(beta, step):
+    """beta ** n in fp64 for the integral fp32 ``step`` n, by squaring."""
+    n = step.to(tl.int64)
+    r = tl.cast(1.0, tl.float64)
+    b = beta
+    while n > 0:
+        r = tl.where((n & 1) != 0, r * b, r)
+        b = b * b
+        n = n >> 1
+    return r
 
 
 @triton.jit
@@ -264,7 +276,7 @@ def _lowp_tile(
 @triton.jit(do_not_specialize=["seed"])
 def _adam_lowp_kernel(
     rows, chunks, seed, qmap_signed, qmap_unsigned, lr_ptr, lr_value, decay_value, scale_ptr, scale_value, found_inf_ptr,
-    beta2, one_minus_beta2, lerp_weight, log_beta1_hi, log_beta1_lo, log_beta2_hi, log_beta2_lo, eps, weight_decay,
+    beta2, one_minus_beta2, lerp_weight, betas_ptr, eps, weight_decay,
     P_DTYPE: tl.constexpr, EIGHT_BIT: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
     LR_PTR: tl.constexpr, SCALE: tl.constexpr, FOUND_INF: tl.constexpr,
     MAXIMIZE: tl.constexpr, WD: tl.constexpr, MASTER: tl.constexpr, LERP_SMALL: tl.constexpr,
@@ -301,11 +313,10 @@ def _adam_lowp_kernel(
         decay = decay_value
     scale = scalar_value(scale_ptr, scale_value, SCALE == 2)
     # The bias corrections in fp64 and rounded once to fp32, as the reference's Python floats reach torch's fp32
-    # kernels: the params come out bit-exact too (adam.py's fp32 series is up to 2.2e-7 relative off). Two
-    # scalars a program; log(beta) arrives as an fp32 pair (hi + lo, 48 bits) since float arguments are fp32.
-    step64 = tl.cast(step, tl.float64)
-    bc1 = 1.0 - tl.exp(step64 * (tl.cast(log_beta1_hi, tl.float64) + tl.cast(log_beta1_lo, tl.float64)))
-    bc2 = 1.0 - tl.exp(step64 * (tl.cast(log_beta2_hi, tl.float64) + tl.cast(log_beta2_lo, tl.float64)))
+    # kernels. beta**step by squaring over the integral step: fp64 exp() kept 8 bytes on the stack in 3 of the
+    # 8-bit specs on sm_90 (compile-check's local memory), and the squarings stay about 1e-15 relative.
+    bc1 = 1.0 - _pow_int(tl.load(betas_ptr), step)
+    bc2 = 1.0 - _pow_int(tl.load(betas_ptr + 1), step)
     neg_step_size = (-(tl.cast(lr, tl.float64) / bc1)).to(tl.float32)
     bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
 
@@ -357,13 +368,17 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-def _log_pair(beta: float) -> tuple[float, float]:
-    """log(beta) as two fp32 values whose fp64 sum holds 48 of its bits (beta = 0: -inf, 0)."""
-    if beta <= 0:
-        return -math.inf, 0.0
-    log = math.log(beta)
-    hi = struct.unpack("f", struct.pack("f", log))[0]
-    return hi, log - hi
+_BETAS: dict = {}
+
+
+def _betas(beta1: float, beta2: float, device: torch.device) -> torch.Tensor:
+    """(beta1, beta2) as fp64 on ``device`` (float arguments reach a kernel as fp32), one upload per value."""
+    key = (beta1, beta2, device)
+    if key not in _BETAS:
+        if len(_BETAS) > 64:
+            _BETAS.clear()
+        _BETAS[key] = torch.tensor([beta1, beta2], dtype=torch.float64, device=device)
+    return _BETAS[key]
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -434,7 +449,7 @@ def _adam_step_lowp(
             _adam_lowp_kernel[(table.n_chunks,)](
                 table.rows, table.chunks, _seed_i32(seed), qs, qu, lr_ptr, _f32(sc.lr), _f32(1 - sc.lr * weight_decay), scale_ptr,
                 _f32(sc.scale),
-                inf_ptr, _f32(beta2), _f32(1 - beta2), _f32(lerp_weight), *_log_pair(beta1), *_log_pair(beta2), _f32(eps),
+                inf_ptr, _f32(beta2), _f32(1 - beta2), _f32(lerp_weight), _betas(beta1, beta2, device), _f32(eps),
                 _f32(weight_decay),
                 P_DTYPE=TL_DTYPE[dtype], EIGHT_BIT=eight_bit, CHUNK=chunk, ROWS=block // _quant.BLOCK,
                 LR_PTR=sc.lr_t is not None, SCALE=sc.scale_mode, FOUND_INF=sc.inf_t is not None,
