@@ -1,6 +1,6 @@
 """The Triton adam_step_lowp_ (fastops.kernels.adam_lowp) against fastops.reference: 8-bit codes, absmax and bf16
-states bit for bit; params within one ulp (the bias corrections come from exp(step * log(beta)) in fp64, the
-reference's from beta**step: rounded to fp32 they agree, yet 2 of 5000 fp32 params came out 1 ulp apart).
+states bit for bit; params within one ulp (2 of 5000 fp32 params came out 1 ulp apart with the step's fp32 scalars
+equal to the reference's; the cause is not found).
 Under the Triton interpreter on CPU without a GPU (conftest), compiled on CUDA with one."""
 
 from __future__ import annotations
