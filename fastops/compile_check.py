@@ -14,7 +14,8 @@ for), checked against ``CUDA_LAUNCHES``.
 
 One line per kernel, spec and arch, with registers, local memory (where spills go; none of these kernels
 has a local array, so any local memory is a spill), shared memory and the warps an SM holds at that usage.
-Exits 1 on a compile error, a spill, or a CUDA C++ kernel whose registers or shared memory keep fewer blocks
+Triton kernels also fail above ``MAX_TRITON_REGS`` registers or with any layout conversion left in their TTGIR
+(``converts``). Exits 1 on a compile error, a spill, or a CUDA C++ kernel whose registers or shared memory keep fewer blocks
 on an SM than its launch assumes.
 
 Adding a kernel: a Triton launcher is one ``Op`` (a function calling it with one combination, and its
@@ -45,6 +46,10 @@ import torch
 from ._checks import FLOAT_DTYPES
 
 ARCHS = (80, 90, 100)
+# At most this many registers a thread for a Triton kernel: 128 keeps 16 warps of 8 an SM resident (4 blocks of
+# 4 warps), enough loads in flight to stream at the memory roofline. The bf16 Adam at 4 warps took 139-184 (2-3
+# blocks an SM).
+MAX_TRITON_REGS = 128
 EXHAUSTIVE_UP_TO = 64
 
 
@@ -80,6 +85,7 @@ def resident_blocks(arch: int, threads: int, regs: int, smem: int) -> int:
 # grad_stats_reduce is one block.
 CUDA_LAUNCHES = {
     "adam_kernel": (512, None),
+    "adam_lowp_kernel": (512, None),
     "sgd_kernel": (512, None),
     "unscale_check_kernel": (512, 4),
     "grad_stats_partials_kernel": (512, 4),
@@ -96,13 +102,15 @@ class Result:
     local: int = 0
     smem: int = 0
     warps_per_sm: int = 0
+    converts: int = 0
     error: str = ""
 
     def line(self) -> str:
         head = f"{self.kernel:28s} {self.spec:60s} sm_{self.arch:<4d}"
         if self.error and not self.regs:
             return f"{head} ERROR {self.error}"
-        text = f"{head} regs {self.regs:3d}  local {self.local:4d} B  smem {self.smem:6d} B  warps/SM {self.warps_per_sm:2d}"
+        text = (f"{head} regs {self.regs:3d}  local {self.local:4d} B  smem {self.smem:6d} B  "
+                f"converts {self.converts:2d}  warps/SM {self.warps_per_sm:2d}")
         return f"{text}  ERROR {self.error}" if self.error else text
 
 
@@ -233,6 +241,26 @@ def _adam(o: dict[str, Any]) -> None:
     )  # fmt: skip
 
 
+def _adam_lowp(o: dict[str, Any]) -> None:
+    from fastops import _quant, kernels
+
+    n = o["numel"]
+    p = _zeros(n, o["dtype"], o["aligned"])
+    g = torch.zeros(n, dtype=o["dtype"])
+    if o["state"] == "8bit":
+        m, v = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+        absmax = [[torch.zeros(_quant.n_blocks(n))], [torch.zeros(_quant.n_blocks(n))]]
+    else:
+        m, v = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+        absmax = [[], []]
+    wd = 0.0 if o["weight_decay"] == "none" else 0.01
+    kernels.adam_step_lowp_(
+        [p], [g], [m], [v], *absmax, [torch.zeros(())], [torch.zeros(n)] if o["master"] else [],
+        _scalar(o["lr"], 1e-3), o["beta1"], 0.999, 1e-8, wd, o["maximize"], o["weight_decay"] == "decoupled", 7,
+        _scalar(o["grad_scale"]), _scalar(o["found_inf"], 0.0),
+    )  # fmt: skip
+
+
 def _sgd(o: dict[str, Any]) -> None:
     from fastops import kernels
 
@@ -275,6 +303,12 @@ OPS = [
         "dtype": DTYPES, "aligned": (False, True), "lr": ("host", torch.float64, torch.float32),
         "grad_scale": SCALAR, "found_inf": (None, torch.float32), "weight_decay": ("none", "l2", "decoupled"),
         "beta1": (0.1, 0.9), "maximize": (False, True), "amsgrad": (False, True), "master": (False, True),
+    }),
+    Op("adam_step_lowp_", _adam_lowp, {
+        "state": ("bf16", "8bit"), "dtype": DTYPES, "aligned": (False, True), "numel": (N, 4096),
+        "lr": ("host", torch.float64, torch.float32), "grad_scale": SCALAR, "found_inf": (None, torch.float32),
+        "weight_decay": ("none", "l2", "decoupled"), "beta1": (0.1, 0.9), "maximize": (False, True),
+        "master": (False, True),
     }),
     Op("sgd_step_", _sgd, {
         "dtype": DTYPES, "aligned": (False, True), "lr": ("host", torch.float64, torch.float32),
@@ -423,11 +457,27 @@ def compile_launch(launch: Launch, arch: int) -> Result:
         result.error = f"{type(e).__name__}: {text}"[:300]
         return result
     result.regs, result.local, result.smem = usage["REG"], usage["LOCAL"] + usage["STACK"], kernel.metadata.shared
+    result.converts = layout_conversions(kernel.asm["ttgir"])
     threads = 32 * kernel.metadata.num_warps
     result.warps_per_sm = resident_blocks(arch, threads, result.regs, result.smem) * threads // 32
+    errors = []
     if result.local:
-        result.error = f"{result.local} bytes of local memory (spills)"
+        errors.append(f"{result.local} bytes of local memory (spills)")
+    if result.regs > MAX_TRITON_REGS:
+        errors.append(f"{result.regs} registers (at most {MAX_TRITON_REGS}: "
+                      f"{resident_blocks(arch, threads, MAX_TRITON_REGS, 0) * threads // 32} warps an SM)")
+    if result.converts:
+        errors.append(f"{result.converts} layout conversion(s) (a shared-memory round trip and barriers each)")
+    result.error = "; ".join(errors)
     return result
+
+
+def layout_conversions(ttgir: str) -> int:
+    """``ttg.convert_layout`` ops in a kernel's TritonGPU IR that stay after Triton's own passes: each moves a
+    tensor between per-thread layouts, through shared memory unless the two layouts happen to agree in registers.
+    A kernel whose streams load in different layouts (8 bf16 elements a thread next to 4 fp32) needs them; one
+    layout for every stream needs none."""
+    return len(re.findall(r"\bttg\.convert_layout\b", ttgir))
 
 
 _JOBS: list[tuple[Launch, int]] = []

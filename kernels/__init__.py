@@ -7,7 +7,8 @@ how they are tested on machines without a GPU.
 
 from ._common import TABLES
 from .adam import adam_step_
+from .adam_lowp import adam_step_lowp_
 from .amp import grad_stats, unscale_check_
 from .sgd import sgd_step_
 
-__all__ = ["adam_step_", "sgd_step_", "unscale_check_", "grad_stats", "TABLES"]
+__all__ = ["adam_step_", "adam_step_lowp_", "sgd_step_", "unscale_check_", "grad_stats", "TABLES"]

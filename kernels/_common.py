@@ -22,13 +22,17 @@ TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float1
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 
 # op -> (CHUNK, BLOCK, num_warps). One program covers CHUNK elements of one tensor, BLOCK per loop trip.
-# BLOCK=1024 over 4 warps is 8 elements a thread a trip: two 16-byte loads per fp32 stream. CHUNK=16384
+# Adam runs BLOCK=1024 over 8 warps, 4 elements a thread for every stream: at 4 warps (8 a thread) the bf16/fp16
+# specs loaded their 16-bit streams 8 a thread and the fp32 ones 4, and took 139-184 registers and 4-8 layout
+# conversions on sm_90; at 8 warps every spec takes 48 registers and none (compile-check). CHUNK=16384
 # makes a 1B-param model 61k programs (a table of 1 MiB) and wastes at most one partial chunk per tensor.
 # SGD runs 8 warps (4 elements a thread a trip): at 4 its bf16 specs took up to 118 registers on sm_90 and one
 # (unaligned, master weights, momentum) spilled 16 bytes; at 8 they take 39-48, none spills (compile-check).
 _BLOCK_SIZES = {
-    "adam": (16384, 1024, 4),
+    "adam": (16384, 1024, 8),
     "sgd": (16384, 1024, 8),
+    # Low-precision Adam: 4 elements a thread for every stream (uint8, bf16, fp32), one layout, no conversion.
+    "adam_lowp": (16384, 1024, 8),
     "unscale": (16384, 1024, 4),
     "stats": (16384, 1024, 4),
     # The second grad_stats pass is one program over the per-chunk partials.

@@ -27,9 +27,16 @@ from ._common import (
     tensor_table,
 )
 
-# Columns of the Adam tensor table.
-_P, _G, _M, _V, _VMAX, _MASTER, _STEP, _NUMEL = range(8)
-_ADAM_COLS = 8
+# Columns of the Adam tensor table, as the kernel reads them.
+_P = tl.constexpr(0)
+_G = tl.constexpr(1)
+_M = tl.constexpr(2)
+_V = tl.constexpr(3)
+_VMAX = tl.constexpr(4)
+_MASTER = tl.constexpr(5)
+_STEP = tl.constexpr(6)
+_NUMEL = tl.constexpr(7)
+_ADAM_COLS = tl.constexpr(8)
 
 
 @triton.jit
@@ -121,15 +128,15 @@ def _adam_kernel(
         if tl.load(found_inf_ptr) != 0:
             return
     _, t, start = chunk_of(chunks, CHUNK)
-    row = rows + t * 8
-    numel = tl.load(row + 7)
-    p_ptr = table_ptr(row, 0, P_DTYPE, ALIGNED)
-    g_ptr = table_ptr(row, 1, P_DTYPE, ALIGNED)
-    m_ptr = table_ptr(row, 2, tl.float32, ALIGNED)
-    v_ptr = table_ptr(row, 3, tl.float32, ALIGNED)
-    vmax_ptr = table_ptr(row, 4, tl.float32, ALIGNED)
-    w_ptr = table_ptr(row, 5, tl.float32, ALIGNED)
-    step = tl.load(tl.load(row + 6).to(tl.pointer_type(tl.float32)))
+    row = rows + t * _ADAM_COLS
+    numel = tl.load(row + _NUMEL)
+    p_ptr = table_ptr(row, _P, P_DTYPE, ALIGNED)
+    g_ptr = table_ptr(row, _G, P_DTYPE, ALIGNED)
+    m_ptr = table_ptr(row, _M, tl.float32, ALIGNED)
+    v_ptr = table_ptr(row, _V, tl.float32, ALIGNED)
+    vmax_ptr = table_ptr(row, _VMAX, tl.float32, ALIGNED)
+    w_ptr = table_ptr(row, _MASTER, tl.float32, ALIGNED)
+    step = tl.load(tl.load(row + _STEP).to(tl.pointer_type(tl.float32)))
 
     lr = scalar_value(lr_ptr, lr_value, LR_PTR)
     if LR_PTR:
@@ -220,7 +227,7 @@ def _adam_step(
                 master_params[i].data_ptr() if master_params else 0,
                 steps[i].data_ptr(),
                 params[i].numel(),
-            ), _ADAM_COLS)  # fmt: skip
+            ), _ADAM_COLS.value)  # fmt: skip
             if table.n_chunks == 0:
                 continue
             lr_ptr, scale_ptr, inf_ptr = sc.pointers(table.rows)

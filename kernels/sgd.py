@@ -19,8 +19,13 @@ from ._common import (
     tensor_table,
 )
 
-# Columns of the SGD tensor table: param, grad, momentum buffer and master pointers (0 when absent), numel.
-_SGD_COLS = 5
+# Columns of the SGD tensor table (pointers, 0 when absent, then numel), as the kernel reads them.
+_P = tl.constexpr(0)
+_G = tl.constexpr(1)
+_BUF = tl.constexpr(2)
+_MASTER = tl.constexpr(3)
+_NUMEL = tl.constexpr(4)
+_SGD_COLS = tl.constexpr(5)
 
 
 @triton.jit
@@ -72,12 +77,12 @@ def _sgd_kernel(
         if tl.load(found_inf_ptr) != 0:
             return
     _, t, start = chunk_of(chunks, CHUNK)
-    row = rows + t * 5
-    numel = tl.load(row + 4)
-    p_ptr = table_ptr(row, 0, P_DTYPE, ALIGNED)
-    g_ptr = table_ptr(row, 1, P_DTYPE, ALIGNED)
-    b_ptr = table_ptr(row, 2, tl.float32, ALIGNED)
-    w_ptr = table_ptr(row, 3, tl.float32, ALIGNED)
+    row = rows + t * _SGD_COLS
+    numel = tl.load(row + _NUMEL)
+    p_ptr = table_ptr(row, _P, P_DTYPE, ALIGNED)
+    g_ptr = table_ptr(row, _G, P_DTYPE, ALIGNED)
+    b_ptr = table_ptr(row, _BUF, tl.float32, ALIGNED)
+    w_ptr = table_ptr(row, _MASTER, tl.float32, ALIGNED)
     neg_lr = -scalar_value(lr_ptr, lr_value, LR_PTR)
     scale = scalar_value(scale_ptr, scale_value, SCALE == 2)
 
@@ -133,7 +138,7 @@ def _sgd_step(
                 momentum_buffers[i].data_ptr() if has_momentum else 0,
                 master_params[i].data_ptr() if master_params else 0,
                 params[i].numel(),
-            ), _SGD_COLS)  # fmt: skip
+            ), _SGD_COLS.value)  # fmt: skip
             if table.n_chunks == 0:
                 continue
             lr_ptr, scale_ptr, inf_ptr = sc.pointers(table.rows)

@@ -126,7 +126,36 @@ adam.kwargs["maxnreg"] = 32
 r = cc.compile_launch(adam, 90)
 print("SPILL", r.line())
 assert r.local > 0 and "spills" in r.error, r.line()
+
+# The same spec at 4 warps: the bf16 streams load 8 elements a thread and the fp32 ones 4, which takes layout
+# conversions, an error; at the launcher's 8 warps it takes none.
+(adam,) = cc.capture(OP["adam_step_"], {**heavy, "dtype": torch.bfloat16})
+r = cc.compile_launch(adam, 90)
+print("ADAM8", r.line())
+assert not r.error and r.converts == 0 and r.regs <= cc.MAX_TRITON_REGS, r.line()
+adam.kwargs["num_warps"] = 4
+r = cc.compile_launch(adam, 90)
+print("ADAM4", r.line())
+assert r.converts > 0 and "layout conversion" in r.error, r.line()
+
+# The 8-bit and bf16 state kernels at their heaviest specs.
+lowp = {n: v[-1] for n, v in OP["adam_step_lowp_"].options.items()}
+for state in ("8bit", "bf16"):
+    (launch,) = cc.capture(OP["adam_step_lowp_"], {**lowp, "state": state, "dtype": torch.bfloat16})
+    r = cc.compile_launch(launch, 90)
+    print("LOWP", r.line())
+    assert r.converts == 0 and r.regs <= cc.MAX_TRITON_REGS and r.local == 0, r.line()
 '''
+
+
+def test_layout_conversions_are_counted():
+    ttgir = """
+        %a = ttg.convert_layout %x : tensor<4x1xf32, #blocked1> -> tensor<4x1xf32, #blocked>
+        %b = tt.load %p : tensor<1024x!tt.ptr<f32>, #blocked>
+        %c = ttg.convert_layout %y : tensor<4xf32, #ttg.slice<{dim = 1, parent = #blocked}>> -> tensor<4xf32, #blocked2>
+    """
+    assert cc.layout_conversions(ttgir) == 2
+    assert cc.layout_conversions("%b = tt.load %p") == 0
 
 
 def test_real_compiles_flag_errors_and_spills(tmp_path):

@@ -1,4 +1,4 @@
-// The torch side of the CUDA kernels (adam.cu, sgd.cu, amp.cu): argument checks, the current device and stream,
+// The torch side of the CUDA kernels (adam.cu, adam_lowp.cu, sgd.cu, amp.cu): argument checks, the current device and stream,
 // the pointer tables and their cache, and the pybind11 definitions fastops._backend looks up on
 // fastops._C.cuda. Compiled only in CUDA builds (-DWITH_CUDA); the kernels themselves include no torch
 // header, so they compile (and are compile-checked by .ci/nvcc_check.sh) without one.
@@ -174,6 +174,7 @@ TableCache& tables() {
 constexpr int64_t kAdamTag = 1;
 constexpr int64_t kGradTag = 2;
 constexpr int64_t kSgdTag = 3;
+constexpr int64_t kLowpTag = 4;
 
 Key make_key(int64_t tag, const at::Device& device, const std::vector<int64_t>& flat) {
   Key key;
@@ -328,6 +329,117 @@ void adam_step_(const TensorList& params, const TensorList& grads, const TensorL
   }
 }
 
+void adam_step_lowp_(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                     const TensorList& exp_avg_sqs, const TensorList& exp_avg_absmax,
+                     const TensorList& exp_avg_sq_absmax, const TensorList& state_steps,
+                     const TensorList& master_params, const at::Tensor& lr, double beta1, double beta2, double eps,
+                     double weight_decay, bool maximize, bool decoupled, int64_t seed,
+                     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  // The per-param checks (states like their params, one absmax per 256 elements) are the C++ CPU backend's
+  // check_adam_lowp_args (branch lowcpp); until it is declared in fastops.h, the conditions the kernel relies on.
+  check_grads(grads, "adam_step_lowp_");
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && state_steps.size() == n &&
+                  (master_params.empty() || master_params.size() == n),
+              "fastops.adam_step_lowp_: expected one grad, exp_avg, exp_avg_sq and state_step (and master param) "
+              "per param");
+  if (params.empty()) return;
+  const bool eight_bit = exp_avgs[0].scalar_type() == at::kByte;
+  TORCH_CHECK(eight_bit || exp_avgs[0].scalar_type() == at::kBFloat16, "fastops.adam_step_lowp_: exp_avgs[0] has dtype ",
+              exp_avgs[0].scalar_type(), "; expected uint8 (8-bit states) or bfloat16");
+  for (size_t i = 0; i < n; ++i) {
+    for (const TensorList* l : {&exp_avgs, &exp_avg_sqs}) {
+      const at::Tensor& s = (*l)[i];
+      TORCH_CHECK(s.scalar_type() == exp_avgs[0].scalar_type() && s.sizes() == params[i].sizes() &&
+                      s.device() == params[i].device() && (s.numel() <= 1 || s.strides() == params[i].strides()),
+                  "fastops.adam_step_lowp_: the states of params[", i, "] must match it in shape, strides and device "
+                  "and have exp_avgs[0]'s dtype");
+    }
+    TORCH_CHECK(grads[i].sizes() == params[i].sizes() && grads[i].scalar_type() == params[i].scalar_type(),
+                "fastops.adam_step_lowp_: grads[", i, "] must match params[", i, "]");
+    if (!master_params.empty()) {
+      TORCH_CHECK(master_params[i].scalar_type() == at::kFloat && master_params[i].sizes() == params[i].sizes(),
+                  "fastops.adam_step_lowp_: master_params[", i, "] must be float32 like params[", i, "]");
+    }
+    if (eight_bit) {
+      const int64_t blocks = (params[i].numel() + 255) / 256;
+      TORCH_CHECK(exp_avg_absmax.size() == n && exp_avg_sq_absmax.size() == n &&
+                      exp_avg_absmax[i].numel() == blocks && exp_avg_sq_absmax[i].numel() == blocks &&
+                      exp_avg_absmax[i].scalar_type() == at::kFloat && exp_avg_sq_absmax[i].scalar_type() == at::kFloat &&
+                      exp_avg_absmax[i].is_contiguous() && exp_avg_sq_absmax[i].is_contiguous(),
+                  "fastops.adam_step_lowp_: exp_avg_absmax[", i, "] and exp_avg_sq_absmax[", i,
+                  "] must be contiguous float32 tensors of ", blocks, " elements (one per 256 of params[", i, "])");
+    } else {
+      TORCH_CHECK(exp_avg_absmax.empty() && exp_avg_sq_absmax.empty(),
+                  "fastops.adam_step_lowp_: exp_avg_absmax and exp_avg_sq_absmax must be empty with bfloat16 states");
+    }
+  }
+  const at::Device device = params[0].device();
+  check_on_cuda(params[0], "adam_step_lowp_");
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(params[i].device() == device && state_steps[i].device() == device &&
+                    state_steps[i].scalar_type() == at::kFloat && state_steps[i].numel() == 1,
+                "fastops.adam_step_lowp_: params[", i, "] and state_steps[", i, "] must be on ", device.str(),
+                " (state_steps float32 with one element; the kernel reads each step through a pointer)");
+  }
+  const c10::cuda::CUDAGuard guard(device);
+  const LaunchContext ctx = launch_context();
+  const StepScalars sc = step_scalars("adam_step_lowp_", device, lr, grad_scale, found_inf);
+  if (sc.skip) return;
+  if (sc.inf.on_device.defined()) {
+    at::_foreach_add_(state_steps, sc.inf.on_device.reshape({}).eq(at::Scalar(0.0)).to(at::kFloat));
+  } else {
+    at::_foreach_add_(state_steps, at::Scalar(1.0));
+  }
+
+  AdamLowpArgs a{};
+  a.lr_ptr = sc.lr.ptr();
+  a.lr = static_cast<float>(sc.lr.value);
+  a.decay = static_cast<float>(1 - sc.lr.value * weight_decay);
+  a.grad_scale_ptr = sc.scale.ptr();
+  a.grad_scale = grad_scale.has_value() ? static_cast<float>(sc.scale.value) : 1.0f;
+  a.has_grad_scale = grad_scale.has_value();
+  a.found_inf = sc.inf.ptr();
+  a.beta2 = static_cast<float>(beta2);
+  a.one_minus_beta2 = static_cast<float>(1 - beta2);
+  a.lerp_weight = static_cast<float>(1 - beta1);
+  a.lerp_small = std::abs(a.lerp_weight) < 0.5f;
+  a.beta1_64 = beta1;
+  a.beta2_64 = beta2;
+  a.eps = static_cast<float>(eps);
+  a.weight_decay = static_cast<float>(weight_decay);
+  a.weight_decay64 = weight_decay;
+  a.wd_mode = weight_decay == 0 ? 0 : (decoupled ? 2 : 1);
+  a.maximize = maximize;
+  a.has_master = !master_params.empty();
+  a.eight_bit = eight_bit;
+  a.seed = static_cast<uint32_t>(static_cast<uint64_t>(seed) & 0xFFFFFFFFu);
+
+  for (const auto& group : group_by_dtype(params)) {
+    std::vector<int64_t> flat;
+    flat.reserve(group.second.size() * kLowpCols);
+    for (size_t i : group.second) {
+      flat.push_back(address(params[i].data_ptr()));
+      flat.push_back(address(grads[i].const_data_ptr()));
+      flat.push_back(address(exp_avgs[i].data_ptr()));
+      flat.push_back(address(exp_avg_sqs[i].data_ptr()));
+      flat.push_back(eight_bit ? address(exp_avg_absmax[i].data_ptr()) : 0);
+      flat.push_back(eight_bit ? address(exp_avg_sq_absmax[i].data_ptr()) : 0);
+      flat.push_back(a.has_master ? address(master_params[i].data_ptr()) : 0);
+      flat.push_back(address(state_steps[i].data_ptr()));
+      flat.push_back(static_cast<int64_t>(i));
+      flat.push_back(params[i].numel());
+    }
+    const auto table =
+        tables().get(make_key(kLowpTag, device, flat), flat, kLowpCols, device, ctx.stream, ctx.capturing);
+    if (table->n_chunks == 0) continue;
+    a.tensors = table->rows();
+    a.chunks = table->chunks();
+    a.n_chunks = table->n_chunks;
+    C10_CUDA_CHECK(adam_step_lowp(kind_of(group.first), a, ctx.max_blocks, ctx.stream));
+  }
+}
+
 void sgd_step_(const TensorList& params, const TensorList& grads, const TensorList& momentum_buffers,
                const TensorList& master_params, const at::Tensor& lr, double weight_decay, double momentum,
                double dampening, bool nesterov, bool maximize, bool is_first_step,
@@ -440,6 +552,11 @@ void register_bindings(pybind11::module_ m) {
         py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("amsgrad"),
         py::arg("maximize"), py::arg("decoupled"), py::arg("grad_scale"), py::arg("found_inf"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("adam_step_lowp_", &adam_step_lowp_, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
+        py::arg("exp_avg_sqs"), py::arg("exp_avg_absmax"), py::arg("exp_avg_sq_absmax"), py::arg("state_steps"),
+        py::arg("master_params"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("weight_decay"), py::arg("maximize"), py::arg("decoupled"), py::arg("seed"), py::arg("grad_scale"),
+        py::arg("found_inf"), py::call_guard<py::gil_scoped_release>());
   m.def("sgd_step_", &sgd_step_, py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"),
         py::arg("master_params"), py::arg("lr"), py::arg("weight_decay"), py::arg("momentum"), py::arg("dampening"),
         py::arg("nesterov"), py::arg("maximize"), py::arg("is_first_step"), py::arg("grad_scale"),

@@ -36,6 +36,22 @@ enum AdamCol : int {
   kAdamCols = 8,
 };
 
+// Columns of the adam_step_lowp_ per-tensor table. Absmax pointers are 0 with bf16 states, master 0 without
+// master params. kLowpIndex: the tensor's position in the op's lists (the stochastic-rounding key's input).
+enum LowpCol : int {
+  kLowpParam = 0,
+  kLowpGrad = 1,
+  kLowpExpAvg = 2,
+  kLowpExpAvgSq = 3,
+  kLowpExpAvgAbsmax = 4,
+  kLowpExpAvgSqAbsmax = 5,
+  kLowpMaster = 6,
+  kLowpStep = 7,
+  kLowpIndex = 8,
+  kLowpNumel = 9,
+  kLowpCols = 10,
+};
+
 // Columns of the SGD per-tensor table. Absent pointers (momentum buffer without momentum, master without
 // master params) are 0.
 enum SgdCol : int { kSgdParam = 0, kSgdGrad = 1, kSgdBuf = 2, kSgdMaster = 3, kSgdNumel = 4, kSgdCols = 5 };
@@ -70,6 +86,34 @@ struct AdamArgs {
   bool has_master;
 };
 
+// Scalars of one adam_step_lowp_ launch; pointers and fp32 fields as in AdamArgs.
+struct AdamLowpArgs {
+  const int64_t* tensors;  // [n_tensors][kLowpCols]
+  const int64_t* chunks;   // [n_chunks][2]
+  int64_t n_chunks;
+  const float* lr_ptr;
+  float lr;
+  float decay;
+  const float* grad_scale_ptr;
+  float grad_scale;
+  bool has_grad_scale;
+  const float* found_inf;
+  float beta2;
+  float one_minus_beta2;
+  float lerp_weight;
+  bool lerp_small;
+  double beta1_64;  // the bias corrections are computed in fp64
+  double beta2_64;
+  float eps;
+  float weight_decay;
+  double weight_decay64;  // for 1 - lr * weight_decay when lr is read in the kernel
+  int wd_mode;
+  bool maximize;
+  bool has_master;
+  bool eight_bit;      // uint8 codes + absmax, else bf16 states
+  uint32_t seed;       // low 32 bits of the op's seed
+};
+
 // Scalars of one SGD launch; pointers as in AdamArgs.
 struct SgdArgs {
   const int64_t* tensors;  // [n_tensors][kSgdCols]
@@ -93,6 +137,8 @@ struct SgdArgs {
 // All launchers return cudaGetLastError() after the launch (cudaSuccess when there is nothing to do).
 // max_blocks caps the grid; blocks grid-stride over the chunk table.
 cudaError_t adam_step(ScalarKind kind, const AdamArgs& args, int max_blocks, cudaStream_t stream);
+
+cudaError_t adam_step_lowp(ScalarKind kind, const AdamLowpArgs& args, int max_blocks, cudaStream_t stream);
 
 cudaError_t sgd_step(ScalarKind kind, const SgdArgs& args, int max_blocks, cudaStream_t stream);
 
