@@ -1,0 +1,114 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): every rank writes its own shards, no rank gathers
+the model, and a load reshards onto whatever mesh (or single process) it runs on.
+
+The state is keyed by the model's FQNs (get_state_dict/set_state_dict), so a checkpoint saved under tp 2 x dp 2
+loads under tp 2 alone, under FSDP2, or into a plain model in one process. ``full=True`` exports one
+consolidated file that plain ``torch.load`` reads.
+
+Atomic: the shards go to ``<dir>.tmp``, which is renamed to ``<dir>`` once every rank has finished. The previous
+checkpoint is first moved to ``<dir>.old`` and removed after; a save killed between the two renames leaves
+``<dir>.old``, which ``load`` then reads.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+def _barrier() -> None:
+    if _dist():
+        dist.barrier()
+
+
+def _state(model, optimizer, options=None) -> dict:
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return {"model": get_model_state_dict(model, options=options)}
+    msd, osd = get_state_dict(model, optimizer, options=options)
+    return {"model": msd, "optim": osd}
+
+
+def save(path: str, model, optimizer=None, extra: dict | None = None, full: bool = False) -> None:
+    """Saves the model, the optimizer (state and step counters) and ``extra`` (small tensors and numbers, e.g. the
+    loop's counters) plus rank 0's CPU RNG state. Collective: every rank calls it."""
+    if full:
+        return _save_full(path, model, optimizer, extra)
+    state = _state(model, optimizer)
+    state["extra"] = dict(extra or {})
+    state["rng"] = torch.get_rng_state()
+    tmp, old = path + ".tmp", path + ".old"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save killed earlier
+    _barrier()
+    dcp.save(state, checkpoint_id=tmp)  # ends with a collective: every rank's shards are written
+    if _rank() == 0:
+        if os.path.exists(path):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+
+
+def _save_full(path: str, model, optimizer, extra) -> None:
+    # The one place a rank holds everything, as asked: rank 0 on the CPU.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = _state(model, optimizer, options)
+    if _rank() == 0:
+        state["extra"] = dict(extra or {})
+        state["rng"] = torch.get_rng_state()
+        tmp = path + ".tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    _barrier()
+
+
+def load(path: str, model, optimizer=None, rng: bool = True) -> dict:
+    """Loads a checkpoint written by ``save`` into this rank's shards (resharding as needed); returns ``extra``."""
+    if not os.path.isdir(path) and os.path.isdir(path + ".old"):
+        path = path + ".old"  # a save was killed between its two renames
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no sharded checkpoint at {path!r} (nor {path}.old)")
+    state = _state(model, optimizer)
+    state["extra"] = {}
+    state["rng"] = torch.get_rng_state()
+    md = dcp.FileSystemReader(path).read_metadata()
+    # Entries of `extra` are only known from the metadata: allocate them before the load fills them.
+    for key, meta in md.state_dict_metadata.items():
+        if key.startswith("extra."):
+            size = getattr(meta, "size", None)
+            if size is not None:
+                state["extra"][key[len("extra."):]] = torch.empty(size, dtype=meta.properties.dtype)
+    dcp.load(state, checkpoint_id=path)
+    if optimizer is None:
+        set_state_dict_model(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if rng:
+        torch.set_rng_state(state["rng"])
+    return state["extra"]
+
+
+def set_state_dict_model(model, msd) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, msd)
