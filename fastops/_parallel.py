@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -171,7 +171,7 @@ def _replicas(p: Tensor, world: int, pp_size: int) -> int:
     shards = 1
     if isinstance(p, DTensor):
         for size, placement in zip(p.device_mesh.shape, p.placements):
-            if isinstance(placement, Shard):
+            if not placement.is_replicate():  # Shard, or FSDP2's _StridedShard over TP (not a Shard subclass)
                 shards *= size
     return world // (pp_size * shards)
 
