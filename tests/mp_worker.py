@@ -195,6 +195,70 @@ def train_pipeline(schedule, steps=STEPS):
     return dict(losses=losses, norms=norms, plain_loop_error=plain_loop_error)
 
 
+ACC_N, ACC_GLOBAL_BATCH = 64, 8
+
+
+def acc_data():
+    g = torch.Generator().manual_seed(7)
+    return torch.utils.data.TensorDataset(torch.randn(ACC_N, 4, generator=g), torch.randn(ACC_N, 1, generator=g))
+
+
+def acc_reference(kind: str):
+    """One process, plain loop, the same global batches (a DistributedSampler without shuffle deals each dp
+    rank every dp-th sample of them)."""
+    model = {"net": Net, "seq": seq}[kind]()
+    opt = optimizer(kind, model.parameters())
+    losses = []
+    for x, y in torch.utils.data.DataLoader(acc_data(), batch_size=ACC_GLOBAL_BATCH):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def train_accelerate(strategy: str, ckpt: str | None):
+    """The loop through fastops.accelerate: unchanged under tp and fsdp+tp, train_step under pp."""
+    import fastops
+
+    kind = "seq" if strategy == "pp" else "net"
+    model = {"net": Net, "seq": seq}[kind]()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # becomes fastops' fused AdamW in place
+    kw = dict(pp_size=2, n_microbatches=2) if strategy == "pp" else dict(tp_size=2)
+    if kind == "net":
+        kw["tp_plan"] = NET_PLAN
+    probe = fastops.Accelerator(strategy=strategy, precision="fp32", **kw)  # only for its mesh's dp size
+    dp = probe.dp_size
+    loader = torch.utils.data.DataLoader(acc_data(), batch_size=ACC_GLOBAL_BATCH // dp)
+    model, opt, loader = fastops.accelerate(model, opt, loader, strategy=strategy, precision="fp32",
+                                            grad_clip={"net": NET_CLIP, "seq": SEQ_CLIP}[kind], **kw)  # fmt: skip
+    acc = opt.accelerator
+    out = {"dp": dp, "losses": []}
+    for x, y in loader:
+        if strategy == "pp":
+            loss = acc.train_step((x, y), mse)
+        else:
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(_mean_over_dp(loss, acc.mesh))
+    if strategy == "pp":
+        try:
+            model(torch.zeros(2, 4))
+        except RuntimeError as e:
+            out["plain_loop_error"] = str(e)
+    if ckpt:
+        path = f"{ckpt}-{strategy}"
+        acc.save(path)
+        acc.save(path + ".pt", full=True)
+        out["state"] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in model.state_dict().items()}
+        acc.load(path)  # into the same shards: back to the same values, counters kept
+        out["step_after_load"] = acc.step
+    return out
+
+
 def main() -> None:
     import torch.distributed as dist
 
@@ -216,6 +280,8 @@ def main() -> None:
             result[case] = train_parallel("llama", "fsdp+tp", tp=2, steps=3, bf16=True)
         elif case == "load_tp":  # the 4-rank fsdp+tp checkpoint, here under tp 2 (x dp world/2)
             result[case] = train_parallel("llama", "tp", tp=2, load=ckpt)
+        elif case.startswith("acc_"):
+            result[case] = train_accelerate(case[4:].replace("fsdptp", "fsdp+tp"), ckpt)
         elif case in ("pp_gpipe", "pp_1f1b"):
             result[case] = train_pipeline(case[3:])
         else:
