@@ -3,7 +3,9 @@ the model, and a load reshards onto whatever mesh (or single process) it runs on
 
 The state is keyed by the model's FQNs (get_state_dict/set_state_dict), so a checkpoint saved under tp 2 x dp 2
 loads under tp 2 alone, under FSDP2, or into a plain model in one process. ``full=True`` exports one
-consolidated file that plain ``torch.load`` reads.
+consolidated file that plain ``torch.load`` reads: ``{"model": state_dict, "optim": {"state.<fqn>.<key>": ...,
+"param_groups.<fqn>.<key>": ...}, "extra", "rng"}`` (the optimizer flattened per param, as
+``flatten_optimizer_state_dict`` writes it).
 
 Atomic: the shards go to ``<dir>.tmp``, which is renamed to ``<dir>`` once every rank has finished. The previous
 checkpoint is first moved to ``<dir>.old`` and removed after; a save killed between the two renames leaves
@@ -38,7 +40,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _state(model, optimizer, options=None) -> dict:
+# Optimizer state and hyperparameters keyed per param FQN: pipeline stages hold different params, and a
+# param_groups list saved by each of them would collide under one key.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _state(model, optimizer, options=_FLAT) -> dict:
     if optimizer is None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -71,8 +78,19 @@ def save(path: str, model, optimizer=None, extra: dict | None = None, full: bool
 
 def _save_full(path: str, model, optimizer, extra) -> None:
     # The one place a rank holds everything, as asked: rank 0 on the CPU.
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = _state(model, optimizer, options)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True)
+    state = _state(model, optimizer, options)  # rank 0 only (cpu_offload): its own params, DTensors gathered
+    if _dist():
+        # Plain (non-DTensor) entries are whole on the ranks that hold them; pipeline stages hold different ones,
+        # which meet on rank 0 here.
+        from torch.distributed.tensor import DTensor
+
+        plain = {k: {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in d.items()
+                     if not isinstance(v, DTensor)} for k, d in _state(model, optimizer).items()}  # fmt: skip
+        parts = [None] * dist.get_world_size() if _rank() == 0 else None
+        dist.gather_object(plain, parts, dst=0)
+        if _rank() == 0:
+            state = {k: {**{n: v for part in parts for n, v in part[k].items()}, **state[k]} for k in state}
     if _rank() == 0:
         state["extra"] = dict(extra or {})
         state["rng"] = torch.get_rng_state()
@@ -102,7 +120,8 @@ def load(path: str, model, optimizer=None, rng: bool = True) -> dict:
     if optimizer is None:
         set_state_dict_model(model, state["model"])
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=_FLAT)
     if rng:
         torch.set_rng_state(state["rng"])
     return state["extra"]

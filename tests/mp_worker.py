@@ -250,7 +250,7 @@ def train_accelerate(strategy: str, ckpt: str | None):
         except RuntimeError as e:
             out["plain_loop_error"] = str(e)
     if ckpt:
-        path = f"{ckpt}-{strategy}"
+        path = f"{ckpt}-{strategy}-w{acc.world_size}"
         acc.save(path)
         acc.save(path + ".pt", full=True)
         out["state"] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in model.state_dict().items()}

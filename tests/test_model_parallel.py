@@ -19,8 +19,9 @@ import fastops._parallel as par
 from tests import mp_worker as w
 from tests.test_accelerate import ROOT, _free_port, _start_group, _wait_group
 
-CASES_4 = ["fsdptp_llama", "tp_llama", "tp_net", "fsdptp_net", "bf16_llama", "pp_gpipe", "pp_1f1b"]
-CASES_2 = ["load_tp", "tp_llama", "tp_net", "fsdptp_net", "pp_gpipe", "pp_1f1b"]
+ACC = ["acc_tp", "acc_fsdptp", "acc_pp"]  # through fastops.accelerate
+CASES_4 = ["fsdptp_llama", "tp_llama", "tp_net", "fsdptp_net", "bf16_llama", "pp_gpipe", "pp_1f1b", *ACC]
+CASES_2 = ["load_tp", "tp_llama", "tp_net", "fsdptp_net", "pp_gpipe", "pp_1f1b", *ACC]
 KIND = {"llama": "llama", "net": "net", "gpipe": "seq", "1f1b": "seq"}
 
 
@@ -100,7 +101,36 @@ def test_checkpoint_saved_at_4_ranks_continues_at_2_ranks_and_in_one_process(run
     assert full["model"].keys() == loaded["model"].keys()
     for k, v in full["model"].items():
         assert torch.equal(v, loaded["model"][k]), k  # the sharded load reassembles exactly what was saved
-    assert all(int(s["step"]) == w.SAVE_AT for s in full["optim"]["state"].values())
+    steps = [v for k, v in full["optim"].items() if k.endswith(".step")]
+    assert len(steps) == len(full["model"]) and all(int(s) == w.SAVE_AT for s in steps)
+
+
+@pytest.mark.parametrize("world", [4, 2])
+@pytest.mark.parametrize("case", ACC)
+def test_one_line_accelerate_matches_one_process_and_checkpoints(runs, world, case, tmp_path):
+    strategy = case[4:].replace("fsdptp", "fsdp+tp")
+    kind = "seq" if strategy == "pp" else "net"
+    got = runs[world][case]
+    assert got["dp"] == world // 2
+    torch.testing.assert_close(got["losses"], w.acc_reference(kind), rtol=1e-5, atol=0)
+    assert got["step_after_load"] == len(got["losses"])
+    if strategy == "pp":
+        assert "acc.train_step((x, y), loss_fn)" in got["plain_loop_error"]
+    path = f"{runs['ckpt']}-{strategy}-w{world}"
+    full = torch.load(path + ".pt")  # consolidated: the whole model, every stage's parameters included
+    model = {"net": w.Net, "seq": w.seq}[kind]()
+    model.load_state_dict(full["model"])
+    for k, v in got["state"].items():  # rank 0's part of the model as training left it
+        assert torch.equal(full["model"][k], v), k
+    # The sharded directory loads into one process through the Accelerator, counters included.
+    import fastops
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = fastops.Accelerator(strategy="none", precision="fp32").prepare(model, opt)
+    opt.accelerator.load(path)
+    assert opt.accelerator.step == len(got["losses"])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, full["model"][k]), k
 
 
 def _net_and_opt():
