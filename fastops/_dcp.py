@@ -55,13 +55,13 @@ def _state(model, optimizer, options=_FLAT) -> dict:
 
 
 def save(path: str, model, optimizer=None, extra: dict | None = None, full: bool = False) -> None:
-    """Saves the model, the optimizer (state and step counters) and ``extra`` (small tensors and numbers, e.g. the
-    loop's counters) plus rank 0's CPU RNG state. Collective: every rank calls it."""
+    """Saves the model, the optimizer (state and step counters), ``extra`` (tensors, e.g. the loop's counters)
+    and each rank's CPU RNG state. Collective: every rank calls it."""
     if full:
         return _save_full(path, model, optimizer, extra)
     state = _state(model, optimizer)
     state["extra"] = dict(extra or {})
-    state["rng"] = torch.get_rng_state()
+    state["rng"] = {str(_rank()): torch.get_rng_state()}  # one key per rank: each rank's dropout draws resume
     tmp, old = path + ".tmp", path + ".old"
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a save killed earlier
@@ -108,8 +108,11 @@ def load(path: str, model, optimizer=None, rng: bool = True) -> dict:
         raise FileNotFoundError(f"no sharded checkpoint at {path!r} (nor {path}.old)")
     state = _state(model, optimizer)
     state["extra"] = {}
-    state["rng"] = torch.get_rng_state()
     md = dcp.FileSystemReader(path).read_metadata()
+    saved_ranks = sum(1 for key in md.state_dict_metadata if key.startswith("rng."))
+    # Rank r resumes saved rank (r mod saved ranks)'s CPU RNG state (all of them when the world is the same).
+    own = str(_rank() % saved_ranks)
+    state["rng"] = {own: torch.get_rng_state()}
     # Entries of `extra` are only known from the metadata: allocate them before the load fills them.
     for key, meta in md.state_dict_metadata.items():
         if key.startswith("extra."):
@@ -123,7 +126,7 @@ def load(path: str, model, optimizer=None, rng: bool = True) -> dict:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=_FLAT)
     if rng:
-        torch.set_rng_state(state["rng"])
+        torch.set_rng_state(state["rng"][own])
     return state["extra"]
 
 

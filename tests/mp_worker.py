@@ -254,8 +254,13 @@ def train_accelerate(strategy: str, ckpt: str | None):
         acc.save(path)
         acc.save(path + ".pt", full=True)
         out["state"] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in model.state_dict().items()}
+        torch.manual_seed(1000 + acc.rank)  # each rank's own stream, as dropout would leave it
+        acc.save(path)
+        drawn = torch.rand(3)
         acc.load(path)  # into the same shards: back to the same values, counters kept
-        out["step_after_load"] = acc.step
+        flag = torch.tensor(float(torch.equal(torch.rand(3), drawn)))
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        out["step_after_load"], out["rng_resumed"] = acc.step, bool(flag)
     return out
 
 

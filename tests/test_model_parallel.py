@@ -114,6 +114,7 @@ def test_one_line_accelerate_matches_one_process_and_checkpoints(runs, world, ca
     assert got["dp"] == world // 2
     torch.testing.assert_close(got["losses"], w.acc_reference(kind), rtol=1e-5, atol=0)
     assert got["step_after_load"] == len(got["losses"])
+    assert got["rng_resumed"]  # every rank got its own RNG state back
     if strategy == "pp":
         assert "acc.train_step((x, y), loss_fn)" in got["plain_loop_error"]
     path = f"{runs['ckpt']}-{strategy}-w{world}"
