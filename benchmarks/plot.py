@@ -1,7 +1,8 @@
 """Draws benchmark results: one PNG next to each CSV, from the columns every benchmark writes
 (common.SCHEMA: bench, provider, size, ms, ms_q20, ms_q80, device, hardware). One panel per bench in the file:
 ms per provider against a numeric size (log axes), or grouped bars where the sizes are labels; a second panel of
-effective GB/s where the rows have a ``gbs`` column, with the roofline (``roofline_gbs``) dashed.
+effective GB/s where the rows have a ``gbs`` column, with the roofline (``roofline_gbs``) dashed. Files whose rows
+have a ``loss`` column (parity_lowp.py) get loss curves against the step instead, one panel per bench.
 
     python benchmarks/plot.py                       # every benchmarks/results/*.csv
     python benchmarks/plot.py results/sgd_cpu.csv   # the files given
@@ -66,6 +67,17 @@ def _panel_gbs(ax, rows: list[dict]) -> None:
     ax.legend(fontsize=7)
 
 
+def _panel_loss(ax, rows: list[dict]) -> None:
+    """Training loss against the step (``size``), one line per provider (parity_lowp.py's rows)."""
+    for p in dict.fromkeys(r["provider"] for r in rows):
+        rs = [r for r in rows if r["provider"] == p]
+        ax.plot([_number(r["size"]) for r in rs], [float(r["loss"]) for r in rs], label=p, linewidth=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def draw(csv_path: str) -> str | None:
     """``csv_path`` as a PNG next to it; None (and a note) where matplotlib is not installed."""
     try:
@@ -81,12 +93,15 @@ def draw(csv_path: str) -> str | None:
     if not rows:
         return None
     benches = list(dict.fromkeys(r["bench"] for r in rows))
-    panels = [(b, kind) for b in benches for kind in ("ms", "gbs")
-              if kind == "ms" or any(_number(r.get("gbs")) is not None for r in rows if r["bench"] == b)]  # fmt: skip
+    if any(_number(r.get("loss")) is not None for r in rows):  # loss curves: one panel of them per bench
+        panels = [(b, "loss") for b in benches]
+    else:
+        panels = [(b, kind) for b in benches for kind in ("ms", "gbs")
+                  if kind == "ms" or any(_number(r.get("gbs")) is not None for r in rows if r["bench"] == b)]  # fmt: skip
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     for ax, (bench, kind) in zip(axes[0], panels):
         rs = [r for r in rows if r["bench"] == bench]
-        (_panel_ms if kind == "ms" else _panel_gbs)(ax, rs)
+        {"ms": _panel_ms, "gbs": _panel_gbs, "loss": _panel_loss}[kind](ax, rs)
         ax.set_title(bench, fontsize=9)
     fig.suptitle(f"{os.path.basename(csv_path)}: {rows[0]['hardware']}", fontsize=9)
     fig.tight_layout()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+# The param and grad dtypes every fastops kernel takes; optim, amp and the compile check use this one tuple.
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -62,7 +63,7 @@ def _check_per_param(op: str, params, grads, lists: dict, fp32_states: tuple) ->
             raise RuntimeError(f"fastops.{op}: expected {n} {name} (one per param), got {len(lst)}")
     for i, p in enumerate(params):
         check_dense(p, f"params[{i}]")
-        if p.dtype not in _FLOAT:
+        if p.dtype not in FLOAT_DTYPES:
             raise RuntimeError(f"fastops.{op}: params[{i}] has dtype {p.dtype}; expected float32, bfloat16 or float16")
         if p.device != params[0].device:
             raise RuntimeError(f"fastops.{op}: params[{i}] is on {p.device} but params[0] is on {params[0].device}")
@@ -136,7 +137,7 @@ def check_sgd_args(params, grads, momentum_buffers, master_params, momentum) -> 
 def check_grads(grads, op: str) -> None:
     for i, g in enumerate(grads):
         check_dense(g, f"grads[{i}]")
-        if g.dtype not in _FLOAT:
+        if g.dtype not in FLOAT_DTYPES:
             raise RuntimeError(f"fastops.{op}: grads[{i}] has dtype {g.dtype}; expected float32, bfloat16 or float16")
         if g.device != grads[0].device:
             raise RuntimeError(f"fastops.{op}: grads[{i}] is on {g.device} but grads[0] is on {grads[0].device}")

@@ -62,7 +62,7 @@ SCHEMAS = {
         "adam_step_lowp_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
         "Tensor(d!)[] exp_avg_absmax, Tensor(e!)[] exp_avg_sq_absmax, Tensor(f!)[] state_steps, "
         "Tensor(g!)[] master_params, Tensor lr, float beta1, float beta2, float eps, float weight_decay, "
-        "bool maximize, bool decoupled, int seed, Tensor? grad_scale, Tensor? found_inf) -> ()"
+        "bool maximize, bool decoupled, SymInt seed, Tensor? grad_scale, Tensor? found_inf) -> ()"
     ),
     "sgd_step_": (
         "sgd_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, Tensor(c!)[] master_params, "

@@ -23,6 +23,7 @@ from torch.amp.grad_scaler import OptState
 from typing_extensions import deprecated
 
 from . import _backend, _ops
+from ._checks import FLOAT_DTYPES
 from ._checks import is_dense
 
 
@@ -38,7 +39,6 @@ _TorchCudaGradScaler = _torch_original("torch.cuda.amp.grad_scaler", "GradScaler
 _TorchCpuGradScaler = _torch_original("torch.cpu.amp.grad_scaler", "GradScaler")
 _torch_clip_grad_norm_ = _torch_original("torch.nn.utils.clip_grad", "clip_grad_norm_")
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_INF_CHECKS = "No inf checks were recorded for this optimizer."  # torch's GradScaler.step message
 
 
@@ -50,7 +50,7 @@ def _kernels_take(t: Tensor) -> bool:
     return (
         type(t) in (Tensor, torch.nn.Parameter)
         and t.layout == torch.strided
-        and t.dtype in _KERNEL_DTYPES
+        and t.dtype in FLOAT_DTYPES
         and device_type in _backend.DEVICE_TYPES
         and is_dense(t)
     )

@@ -42,6 +42,8 @@ from typing import Any, Callable
 
 import torch
 
+from ._checks import FLOAT_DTYPES
+
 ARCHS = (80, 90, 100)
 EXHAUSTIVE_UP_TO = 64
 
@@ -201,7 +203,7 @@ class Op:
     options: dict[str, tuple]
 
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = FLOAT_DTYPES
 SCALAR = (None, "host", torch.float32)  # an optional scalar
 N = 100  # elements of each tensor; the chunk tables only need numel
 

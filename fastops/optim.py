@@ -37,14 +37,27 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _backend, _ops, amp
-from ._checks import check_like, is_dense
+from . import _backend, _ops, _quant, amp
+from ._checks import FLOAT_DTYPES, check_like, is_dense
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Group keys that torch's optimizers do not have; a torch state_dict loaded into fastops keeps the current value.
 _FASTOPS_KEYS = ("master_weights", "max_grad_norm")
-# State tensors that fastops keeps in fp32 on the param's device.
+# Adam's group keys of the state format. Present in a group only when not fp32 (state_seed: when state_dtype is
+# not fp32 or the seed is not 0), so an fp32 state_dict is the one fastops wrote before these existed. They
+# describe this optimizer, not a checkpoint: load_state_dict keeps the current values and converts the states.
+_LOWP_KEYS = ("state_dtype", "state_seed")
+# Saved in bf16 groups of a state_dict only: the count of steps that drew stochastic-rounding bits (see _sr_seed).
+_SR_STEP_KEY = "state_sr_step"
+STATE_DTYPES = ("fp32", "bf16", "8bit")
+# State tensors that fastops keeps in fp32 on the param's device (exp_avg and exp_avg_sq: unless the group's
+# state_dtype says otherwise, see _convert_moments).
 _STATE_TENSORS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "master_param")
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_ABSMAX = ("exp_avg_absmax", "exp_avg_sq_absmax")
+# Odd 31-bit constants spreading the step count and the call's salt over the 32 seed bits the op uses; < 2**31 so
+# that (count mod 2**32) * constant stays inside int64 under torch.compile, where the count is a SymInt.
+_SEED_STEP_MUL = 0x61C88647
+_SEED_SALT_MUL = 0x2545F491
 
 
 def _local(t: Tensor) -> Tensor:
@@ -59,7 +72,7 @@ def _why_not(p: Tensor) -> str | None:
         return f"is sparse (layout {p.layout})"
     if p.is_complex():
         return f"is complex (dtype {p.dtype})"
-    if p.dtype not in _FLOAT_DTYPES:
+    if p.dtype not in FLOAT_DTYPES:
         return f"has dtype {p.dtype}; the kernels take float32, bfloat16 and float16"
     local = _local(p)
     # Checked per param at every step: is_cpu/is_cuda cost 0.1 us against 0.5 us for device.type.
@@ -84,7 +97,7 @@ def _kernels_take(group: dict[str, Any]) -> bool:
     params = group["params"]
     device0 = _local(params[0]).get_device() if params else None
     for p in params:
-        if p.dtype not in _FLOAT_DTYPES or p.layout != torch.strided:
+        if p.dtype not in FLOAT_DTYPES or p.layout != torch.strided:
             return False
         local = _local(p)
         if not (local.is_cpu or local.is_cuda) or local.get_device() != device0 or not is_dense(local):
@@ -125,6 +138,73 @@ def _same_bits(a: Tensor, b: Tensor) -> bool:
 
 def _fp32_zeros(p: Tensor) -> Tensor:
     return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+
+
+def _state_format(group: dict[str, Any], p: Tensor) -> str:
+    """The format of ``p``'s exp_avg and exp_avg_sq in ``group``: its state_dtype, except that 8-bit keeps fp32
+    states for params under MIN_8BIT_NUMEL elements (counted over the whole param, so every rank of a sharded
+    param agrees)."""
+    fmt = group.get("state_dtype", "fp32")
+    if fmt == "8bit" and p.numel() < _quant.MIN_8BIT_NUMEL:
+        return "fp32"
+    return fmt
+
+
+def _moment_format(state: dict[str, Any]) -> str:
+    """The format the moments in ``state`` are stored in, read from their dtype (uint8: 8-bit, bf16, else fp32)."""
+    dtype = state["exp_avg"].dtype
+    return "8bit" if dtype == torch.uint8 else "bf16" if dtype == torch.bfloat16 else "fp32"
+
+
+def moments_fp32(state: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    """``state``'s exp_avg and exp_avg_sq as fp32 tensors (decoded from 8-bit codes and their absmax, or widened
+    from bf16), laid out like the stored ones; the stored fp32 tensors themselves when they are fp32."""
+    fmt = _moment_format(state)
+    out = []
+    for key, absmax, signed in zip(_MOMENTS, _ABSMAX, (True, False)):
+        t = state[key]
+        if fmt == "8bit":
+            if absmax not in state:
+                raise RuntimeError(f"fastops: an 8-bit {key} (uint8 codes) needs its {absmax} in the same state")
+            t = _quant.dequantize(_local(t), _local(state[absmax]), signed)
+        elif t.dtype != torch.float32:
+            t = _local(t).float()
+        out.append(t)
+    return out[0], out[1]
+
+
+def _convert_moments(state: dict[str, Any], fmt: str, p: Tensor) -> None:
+    """Stores ``state``'s moments in ``fmt`` on ``p``'s device, whatever format they are in. Converting to bf16
+    rounds to nearest (a load is a one-off, not a step: no stochastic rounding needed to stay unbiased)."""
+    if "exp_avg" not in state:
+        return
+    current = _moment_format(state)
+    device = _local(p).device
+    if current == fmt and state["exp_avg"].device == device:
+        return
+    m, v = (t.to(device) for t in moments_fp32(state))
+    for key in _ABSMAX:
+        state.pop(key, None)
+    if fmt == "fp32":
+        state["exp_avg"], state["exp_avg_sq"] = m, v
+    elif fmt == "bf16":
+        state["exp_avg"], state["exp_avg_sq"] = m.to(torch.bfloat16), v.to(torch.bfloat16)
+    else:
+        for key, absmax, t, signed in zip(_MOMENTS, _ABSMAX, (m, v), (True, False)):
+            state[key], state[absmax] = _quant.quantize(t, signed)
+
+
+def _new_moments(state: dict[str, Any], fmt: str, p: Tensor) -> None:
+    """Zero moments for ``p`` in ``fmt``: 8-bit zeros are code 0 with absmax 0 (0 * 0 decodes to 0)."""
+    local = _local(p)
+    if fmt == "8bit":
+        for key, absmax in zip(_MOMENTS, _ABSMAX):
+            state[key] = torch.zeros_like(local, dtype=torch.uint8, memory_format=torch.preserve_format)
+            state[absmax] = torch.zeros(_quant.n_blocks(local.numel()), dtype=torch.float32, device=local.device)
+    else:
+        dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+        for key in _MOMENTS:
+            state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
 
 
 def _where(k: int | None) -> str:
@@ -191,16 +271,28 @@ class _Fused:
     # which a grad replicated over ranks counts once.
     grad_stats_fn = None
 
-    def _fastops_init(self, master_weights: bool, max_grad_norm: float | None) -> None:
+    def _fastops_init(
+        self, master_weights: bool, max_grad_norm: float | None, state_dtype: str = "fp32", state_seed: int = 0
+    ) -> None:
         if max_grad_norm is not None and not 0.0 <= max_grad_norm:
             raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm}")
         extra = {"master_weights": bool(master_weights), "max_grad_norm": max_grad_norm}
+        # Only what differs from fp32 / seed 0 is stored, so fp32 groups and state_dicts keep their keys.
+        if state_dtype != "fp32":
+            extra["state_dtype"] = state_dtype
+        if state_dtype != "fp32" or state_seed != 0:
+            extra["state_seed"] = state_seed
         self.defaults.update(extra)
-        for group in self.param_groups:
-            for k, v in extra.items():
-                group.setdefault(k, v)
+        for k, group in enumerate(self.param_groups):
+            for key, v in extra.items():
+                group.setdefault(key, v)
+            if any(key in group for key in _LOWP_KEYS):
+                # The constructor's groups were added before the keys were known; the per-group keys are checked
+                # here (amsgrad with 8-bit states, an unknown state_dtype).
+                self._check_group(group, k, read_device=True)
         self.register_load_state_dict_pre_hook(_Fused._load_pre_hook)
         self.register_load_state_dict_post_hook(_Fused._load_post_hook)
+        self.register_state_dict_post_hook(_Fused._state_dict_post_hook)
         self._init_flags()
 
     def _init_flags(self) -> None:
@@ -211,6 +303,10 @@ class _Fused:
         self.last_grad_norm = torch.full((), math.nan, dtype=torch.float32, device=device)
         # param -> its _version right after the step last wrote it from its master (see _master).
         self._written_versions: dict[Tensor, int] = {}
+        # Steps that drew stochastic-rounding bits for bf16 states (see _sr_seed). On the CPU whatever the params'
+        # device, so reading it is no device sync; an int64 tensor so that a compiled step reads it as a graph
+        # input instead of baking it in.
+        self._sr_step = torch.zeros((), dtype=torch.int64)
 
     @property
     def _torch_class(self) -> type:
@@ -244,10 +340,44 @@ class _Fused:
         params = [p for g in self.param_groups for p in g["params"]]
         self._fastops_loading = [(p, state_dict["state"].get(i)) for i, p in zip(saved_ids, params)]
         groups = []
+        sr_steps = [0]
         for saved, current in zip(state_dict["param_groups"], self.param_groups):
             extra = {k: current[k] for k in _FASTOPS_KEYS if k not in saved}
+            saved = {k: v for k, v in saved.items() if k not in _LOWP_KEYS and k != _SR_STEP_KEY}
+            sr_steps.append(int(state_dict["param_groups"][len(groups)].get(_SR_STEP_KEY, 0)))
+            # The state format is this optimizer's (the post hook converts the saved states to it).
+            extra.update({k: current[k] for k in _LOWP_KEYS if k in current})
             groups.append({**saved, **extra})
+        # Applied by the post hook: torch's load_state_dict calls __setstate__, which makes a new _sr_step.
+        self._fastops_sr_loading = max(sr_steps)
         return {**state_dict, "param_groups": groups}
+
+    @staticmethod
+    def _state_dict_post_hook(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        # The stochastic-rounding step count goes with the bf16 groups, so a resumed run draws the bits the
+        # uninterrupted one would have (a host read of a CPU tensor: no device sync).
+        if any(g.get("state_dtype") == "bf16" for g in state_dict["param_groups"]):
+            n = int(self._sr_step)
+            for g in state_dict["param_groups"]:
+                if g.get("state_dtype") == "bf16":
+                    g[_SR_STEP_KEY] = n
+        return state_dict
+
+    def to_fp32_state_dict(self) -> dict[str, Any]:
+        """``state_dict()`` with every exp_avg/exp_avg_sq decoded to fp32 (their absmax dropped) and without the
+        state-format keys: the state_dict an fp32 fastops optimizer would have saved, which torch.optim.Adam/AdamW
+        load as their own. The optimizer's own states are not changed."""
+        sd = self.state_dict()
+        state = {}
+        for i, st in sd["state"].items():
+            st = dict(st)
+            if "exp_avg" in st:
+                st["exp_avg"], st["exp_avg_sq"] = (t.clone() if t is st[k] else t for t, k in zip(moments_fp32(st), _MOMENTS))
+                for key in _ABSMAX:
+                    st.pop(key, None)
+            state[i] = st
+        groups = [{k: v for k, v in g.items() if k not in _LOWP_KEYS and k != _SR_STEP_KEY} for g in sd["param_groups"]]
+        return {"state": state, "param_groups": groups}
 
     @staticmethod
     def _load_post_hook(self) -> None:
@@ -255,15 +385,25 @@ class _Fused:
         master, a float32 step on the param's device. Params the kernels do not take keep torch's layout (their
         group runs torch's step). fastops.accelerate and ``fuse_`` call it to convert torch's own state."""
         loading = self.__dict__.pop("_fastops_loading", [])
+        self._sr_step.fill_(self.__dict__.pop("_fastops_sr_loading", 0))
         if self.defaults.get("differentiable", False):  # every group runs torch's step
             return
+        owner = {p: group for group in self.param_groups for p in group["params"]}
         for p, saved in loading:
             if not saved or _why_not(p) is not None:
                 continue
             state = self.state[p]
             for key in _STATE_TENSORS:
-                if saved.get(key) is not None:
+                if saved.get(key) is not None and key not in _MOMENTS:
                     state[key] = saved[key].to(device=p.device, dtype=torch.float32)
+            if saved.get("exp_avg") is not None:
+                # The moments as saved (8-bit codes, bf16 or fp32), then in this optimizer's format for p.
+                for key in (*_MOMENTS, *_ABSMAX):
+                    if saved.get(key) is not None:
+                        state[key] = saved[key]
+                    else:
+                        state.pop(key, None)
+                _convert_moments(state, _state_format(owner[p], p), p)
             master = state.get("master_param")
             if master is not None and not _same_bits(_local(master).to(p.dtype), _local(p)):
                 # torch.optim keeps the unknown key but never updates it: a master that no longer rounds to the
@@ -316,6 +456,9 @@ class _Fused:
             for p in group["params"]:
                 return _local(p).device
         return torch.device("cpu")
+
+    def _sr_base(self, work) -> Any:
+        return None  # only Adam's bf16 states round stochastically (see _AdamBase._sr_base)
 
     def _torch_step(self, groups: list[dict[str, Any]]) -> None:
         """torch's own step over ``groups`` only, without the step hooks (the fastops step that calls it runs
@@ -403,6 +546,8 @@ class _Fused:
             self.step_was_skipped.fill_(False)
         else:
             self.step_was_skipped.copy_(_to(found_inf, self.step_was_skipped.device) != 0)
+        sr_base = self._sr_base(work)
+        index = {id(group): k for k, group in enumerate(self.param_groups)}
         for group, hyper, calls in work:
             # Every scalar is brought to this group's device: with model parallelism the scaler's scale, the
             # grad norm (first grads' device) and this group's params can sit on three different GPUs.
@@ -422,7 +567,7 @@ class _Fused:
                 divisor = 1.0 / coef if divisor is None else divisor / coef
             fi = None if found_inf is None else _to(found_inf, device)
             for call in calls:
-                self._launch(group, hyper, call, lr_t, divisor, fi)
+                self._launch(group, hyper, call, lr_t, divisor, fi, sr=(sr_base, index[id(group)]))
         if by_torch and not (found_inf is not None and bool(found_inf)):  # a host read, see the module docstring
             for group in by_torch:
                 if group["max_grad_norm"] is not None:
@@ -458,46 +603,114 @@ class _AdamBase(_Fused):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"Invalid beta parameter at index {i}: {b}{_where(k)}")
             out.append(float(b))
+        fmt = group.get("state_dtype", "fp32")
+        if fmt not in STATE_DTYPES:
+            raise ValueError(f"Invalid state_dtype: {fmt!r}; expected one of {STATE_DTYPES}{_where(k)}")
+        if fmt != "fp32" and group["amsgrad"]:
+            raise ValueError(
+                f"amsgrad=True needs fp32 states: its max_exp_avg_sq has no {fmt} format; use state_dtype='fp32' "
+                f"for this group{_where(k)}"
+            )
+        seed = group.get("state_seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"state_seed must be an int, got {type(seed).__name__}{_where(k)}")
         return out[0], out[1]
 
     def _group_calls(self, group: dict[str, Any], k: int):
-        """The op's tensor lists, split by whether a param has an fp32 master; each call ends with the params."""
-        plain = ([], [], [], [], [], [], [], [])
-        mastered = ([], [], [], [], [], [], [], [])
+        """The op's tensor lists, split by the format of the states (one call of adam_step_ for fp32 states, one of
+        adam_step_lowp_ for each low-precision format) and by whether a param has an fp32 master. Each call is
+        (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or exp_avg_absmax, [] or exp_avg_sq_absmax, steps,
+        masters, owners, (format, mastered))."""
+        calls: dict[tuple[str, bool], tuple] = {}
         amsgrad = group["amsgrad"]
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             lg = self._grad(p, i, k)
             state = self.state[p]
+            fmt = _state_format(group, p)
             if len(state) == 0:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
-                state["exp_avg"] = _fp32_zeros(p)
-                state["exp_avg_sq"] = _fp32_zeros(p)
+                _new_moments(state, fmt, p)
+            elif state["exp_avg"].dtype != (torch.uint8 if fmt == "8bit" else torch.bfloat16 if fmt == "bf16" else torch.float32):
+                # The group's state_dtype was changed between steps: the states follow it.
+                _convert_moments(state, fmt, p)
             if amsgrad and "max_exp_avg_sq" not in state:
                 state["max_exp_avg_sq"] = _fp32_zeros(p)
             use_master = group["master_weights"] and p.dtype != torch.float32
-            lists = mastered if use_master else plain
+            key = (fmt, use_master)
+            lists = calls.get(key)
+            if lists is None:
+                lists = calls[key] = ([], [], [], [], [], [], [], [], [], key)
             lists[0].append(_local(p))
             lists[1].append(lg)
             lists[2].append(_local(state["exp_avg"]))
             lists[3].append(_local(state["exp_avg_sq"]))
-            if amsgrad:
+            if fmt == "8bit":
+                lists[4].append(state["exp_avg_absmax"])
+                lists[5].append(state["exp_avg_sq_absmax"])
+            elif amsgrad:
                 lists[4].append(_local(state["max_exp_avg_sq"]))
-            lists[5].append(state["step"])
+            lists[6].append(state["step"])
             if use_master:
-                lists[6].append(self._master(p, state))
-            lists[7].append(p)
-        return [lists for lists in (plain, mastered) if lists[0]]
+                lists[7].append(self._master(p, state))
+            lists[8].append(p)
+        return [calls[key] for key in sorted(calls)]
 
-    def _launch(self, group, betas, call, lr_t, divisor, found_inf) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters, owners = call
-        _ops.adam_step_(
-            params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters, lr_t,
-            betas[0], betas[1], float(group["eps"]), float(group["weight_decay"]),
-            bool(group["amsgrad"]), bool(group["maximize"]), bool(group["decoupled_weight_decay"]),
-            divisor, found_inf,
-        )  # fmt: skip
+    def _sr_base(self, work) -> Any:
+        """This step's count of steps that drew stochastic-rounding bits (an int, or under torch.compile a SymInt
+        read from ``_sr_step`` in the graph), advanced once per step; None when no call of this step has bf16
+        states. Read at every step, skipped ones included (whether a GradScaler skips is known only on the
+        device): a skipped step writes nothing, so it only moves the next step to other bits."""
+        if not any(call[-1][0] == "bf16" for _, _, calls in work for call in calls):
+            return None
+        if torch.compiler.is_compiling():
+            if not torch._dynamo.config.capture_scalar_outputs:
+                # Dynamo would bake the count in as a constant and recompile at every step (measured: one frame
+                # per step with the count on the optimizer as an int); frozen, every step would draw the same
+                # bits, and stochastic rounding with the same bits each step is biased.
+                raise RuntimeError(
+                    "fastops.optim: bf16 states (state_dtype='bf16') draw new stochastic-rounding bits at every step "
+                    "from a step count kept in a CPU tensor. Inside torch.compile that count must be read as a graph "
+                    "input: set torch._dynamo.config.capture_scalar_outputs = True before compiling the step (without "
+                    "fullgraph=True the step runs eagerly instead). 8-bit and fp32 states compile without it."
+                )
+            base = self._sr_step.remainder(2**32).item()
+        else:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                # A CUDA graph replays the seed it was captured with: every replay would draw the same bits.
+                raise RuntimeError(
+                    "fastops.optim: bf16 states (state_dtype='bf16') cannot be stepped inside CUDA-graph capture: the "
+                    "stochastic-rounding seed changes every step and a graph would replay the captured one. Use "
+                    "state_dtype='8bit' or 'fp32' for captured steps."
+                )
+            base = int(self._sr_step) % 2**32
+        self._sr_step.add_(1)
+        return base
+
+    @staticmethod
+    def _sr_seed(group: dict[str, Any], base: Any, k: int, mastered: bool) -> Any:
+        """The op's seed for one call: the user's state_seed, this step's count and the call (group ``k``, with
+        or without masters), so no two steps and no two calls of a step draw the same bits. Only the low 32 bits
+        reach the op's hash; kept under 2**32 here with arithmetic a SymInt supports."""
+        salt = (2 * k + int(mastered)) * _SEED_SALT_MUL + int(group.get("state_seed", 0))
+        return (base * _SEED_STEP_MUL + salt) % 2**32
+
+    def _launch(self, group, betas, call, lr_t, divisor, found_inf, sr=(None, 0)) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, extra1, extra2, steps, masters, owners, (fmt, mastered) = call
+        eps, wd = float(group["eps"]), float(group["weight_decay"])
+        maximize, decoupled = bool(group["maximize"]), bool(group["decoupled_weight_decay"])
+        if fmt == "fp32":
+            _ops.adam_step_(
+                params, grads, exp_avgs, exp_avg_sqs, extra1, steps, masters, lr_t, betas[0], betas[1], eps, wd,
+                bool(group["amsgrad"]), maximize, decoupled, divisor, found_inf,
+            )  # fmt: skip
+        else:
+            seed = self._sr_seed(group, sr[0], sr[1], mastered) if fmt == "bf16" else 0  # 8-bit rounds to nearest
+            _ops.adam_step_lowp_(
+                params, grads, exp_avgs, exp_avg_sqs, extra1, extra2, steps, masters, lr_t, betas[0], betas[1], eps,
+                wd, maximize, decoupled, seed, divisor, found_inf,
+            )  # fmt: skip
         if masters:
             self._wrote(owners)
 
@@ -524,7 +737,23 @@ class Adam(_AdamBase, torch.optim.Adam):
     copy of bf16/fp16 params in the optimizer state, update it, and write the rounded param in the same pass
     (edits of the param between steps are kept, see ``_master``); and ``max_grad_norm``: clip the grads' total
     2-norm to it inside the step, with no pass of its own. A Tensor beta is read on the host at every step, so
-    in-place changes take effect at the next step; on a GPU that read is a sync."""
+    in-place changes take effect at the next step; on a GPU that read is a sync.
+
+    ``state_dtype``: how exp_avg and exp_avg_sq are stored, also a param-group key (a group
+    ``{"params": embeddings, "state_dtype": "fp32"}`` excludes those params, as bitsandbytes' override_config):
+
+    - ``"fp32"`` (default): torch's format; the state_dict has no fastops state keys.
+    - ``"8bit"``: uint8 codes shaped like the param plus ``exp_avg_absmax``/``exp_avg_sq_absmax``, fp32, one per
+      256 elements in memory order (bitsandbytes' dynamic maps, signed for exp_avg, unsigned for exp_avg_sq;
+      fastops/_quant.py). Params under 4096 elements keep fp32 states. About 2.03 bytes a param instead of 8.
+    - ``"bf16"``: bf16 states written with stochastic rounding; the bits come from ``state_seed``, the count of
+      bf16 steps taken (saved in the state_dict) and the param's place in the step's call, so a run is
+      deterministic for a seed on any backend and thread count. Under torch.compile the step count is read as a
+      graph input, which needs ``torch._dynamo.config.capture_scalar_outputs = True`` (a clear error otherwise).
+
+    amsgrad needs fp32 states. ``load_state_dict`` converts the saved states (any of the three formats, torch's
+    included) to this optimizer's state_dtype, whose group keys it keeps; ``to_fp32_state_dict()`` exports the
+    states in fp32 for torch.optim."""
 
     def __init__(
         self,
@@ -543,6 +772,8 @@ class Adam(_AdamBase, torch.optim.Adam):
         decoupled_weight_decay: bool = False,
         master_weights: bool = False,
         max_grad_norm: float | None = None,
+        state_dtype: str = "fp32",
+        state_seed: int = 0,
     ) -> None:
         _check_betas_len(betas)
         super().__init__(
@@ -550,12 +781,12 @@ class Adam(_AdamBase, torch.optim.Adam):
             capturable=capturable, differentiable=differentiable, fused=fused,
             decoupled_weight_decay=decoupled_weight_decay,
         )  # fmt: skip
-        self._fastops_init(master_weights, max_grad_norm)
+        self._fastops_init(master_weights, max_grad_norm, state_dtype, state_seed)
 
 
 class AdamW(_AdamBase, torch.optim.AdamW):
-    """torch.optim.AdamW with a fused fastops step. Same arguments, plus ``master_weights`` and
-    ``max_grad_norm`` as in Adam."""
+    """torch.optim.AdamW with a fused fastops step. Same arguments, plus ``master_weights``, ``max_grad_norm``,
+    ``state_dtype`` and ``state_seed`` as in Adam."""
 
     def __init__(
         self,
@@ -573,13 +804,15 @@ class AdamW(_AdamBase, torch.optim.AdamW):
         fused: bool | None = None,
         master_weights: bool = False,
         max_grad_norm: float | None = None,
+        state_dtype: str = "fp32",
+        state_seed: int = 0,
     ) -> None:
         _check_betas_len(betas)
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
             capturable=capturable, differentiable=differentiable, fused=fused,
         )  # fmt: skip
-        self._fastops_init(master_weights, max_grad_norm)
+        self._fastops_init(master_weights, max_grad_norm, state_dtype, state_seed)
 
 
 class SGD(_Fused, torch.optim.SGD):
@@ -624,6 +857,8 @@ class SGD(_Fused, torch.optim.SGD):
     def _check_group(self, group: dict[str, Any], k: int | None, read_device: bool) -> None:
         """torch.optim.SGD's constructor checks and messages."""
         _check_scalars(group, k, read_device, self._nonnegative)
+        if group.get("state_dtype", "fp32") != "fp32":
+            raise ValueError(f"fastops.optim.SGD keeps its momentum in fp32; state_dtype applies to Adam and AdamW{_where(k)}")
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(f"Nesterov momentum requires a momentum and zero dampening{_where(k)}")
 
@@ -650,7 +885,7 @@ class SGD(_Fused, torch.optim.SGD):
             call[4].append(p)
         return list(calls.values())
 
-    def _launch(self, group, _, call, lr_t, divisor, found_inf) -> None:
+    def _launch(self, group, _, call, lr_t, divisor, found_inf, sr=None) -> None:
         params, grads, bufs, masters, owners, first = call
         dampening = float(group["dampening"])
         if first:
