@@ -267,6 +267,9 @@ class _Fused:
     # Set per instance by fastops.accelerate when grads are sharded across ranks (FSDP2): maps this rank's
     # grad_stats to the global ones (an all-reduce), so the clip norm and the skip decision agree on all ranks.
     reduce_grad_stats = None
+    # Set per instance by fastops._parallel under TP/PP: replaces amp.grad_stats with the mesh's global stats, in
+    # which a grad replicated over ranks counts once.
+    grad_stats_fn = None
 
     def _fastops_init(
         self, master_weights: bool, max_grad_norm: float | None, state_dtype: str = "fp32", state_seed: int = 0
@@ -497,7 +500,8 @@ class _Fused:
             # One read of every grad gives the norm and the inf/nan flag; no host sync.
             # Unscaled inside the read, before squaring: scaled fp32 grads above 1.8e19 would square to inf.
             inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
-            stats = amp.grad_stats([g for _, _, calls in work for call in calls for g in call[1]], inv_scale)
+            grads = [g for _, _, calls in work for call in calls for g in call[1]]
+            stats = (self.grad_stats_fn or amp.grad_stats)(grads, inv_scale)
             if self.reduce_grad_stats is not None:
                 stats = self.reduce_grad_stats(stats)
             if grad_scale is not None and handed is None:

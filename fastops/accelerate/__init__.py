@@ -64,12 +64,18 @@ def accelerate(
     accumulate: int = 1,
     compile: bool = False,
     device: torch.device | str | None = None,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    tp_plan: dict | None = None,
+    n_microbatches: int | None = None,
+    pp_schedule: str = "1f1b",
 ):
     """``model, optimizer, loader = fastops.accelerate(model, optimizer, loader)``; see ``Accelerator``.
     The Accelerator is reachable afterwards as ``optimizer.accelerator`` (for ``save``/``load``)."""
     acc = Accelerator(
         precision=precision, strategy=strategy, grad_clip=grad_clip, accumulate=accumulate, compile=compile,
-        device=device,
+        device=device, tp_size=tp_size, pp_size=pp_size, tp_plan=tp_plan, n_microbatches=n_microbatches,
+        pp_schedule=pp_schedule,
     )
     model, optimizer = acc.prepare(model, optimizer)
     return model, optimizer, (acc.prepare(loader) if loader is not None else None)
@@ -85,8 +91,16 @@ class Accelerator:
     Args:
         precision: "auto" (bf16 where the device computes it natively, else fp32), "bf16", "fp16" (with loss
             scaling by fastops.amp.GradScaler) or "fp32".
-        strategy: "auto" (ddp when WORLD_SIZE > 1), "ddp", "fsdp" (FSDP2 fully_shard per block, then the root)
-            or "none".
+        strategy: "auto" (ddp when WORLD_SIZE > 1), "ddp", "fsdp" (FSDP2 fully_shard per block, then the root),
+            "tp" (tensor parallel over ``tp_size`` ranks, data parallel over the rest), "fsdp+tp" (FSDP2 over dp
+            and TP over ``tp_size`` on one device mesh), "pp" (``pp_size`` pipeline stages, data parallel over
+            the rest) or "none". See fastops._parallel.
+        tp_size, pp_size: ranks per TP group, pipeline stages.
+        tp_plan: ``{module name pattern: "colwise" | "rowwise" | "sequence_parallel" | "replicate" | ParallelStyle}``;
+            default: an HF transformers model's own plan (``model._tp_plan`` / ``config.base_model_tp_plan``).
+        n_microbatches, pp_schedule: under "pp", microbatches per batch (default pp_size) and "1f1b" or "gpipe".
+            The schedule runs forward and backward, so the loop's ``loss = loss_fn(model(x), y);
+            loss.backward()`` becomes ``loss = acc.train_step((x, y), loss_fn)``; calling the model raises.
         grad_clip: max global grad norm, or None.
         accumulate: k micro-batches per optimizer step. Micro-steps are counted across loader passes: when a
             pass has a number of batches that is not a multiple of k, its last micro-batches' gradients are
@@ -117,6 +131,11 @@ class Accelerator:
         accumulate: int = 1,
         compile: bool = False,
         device: torch.device | str | None = None,
+        tp_size: int = 1,
+        pp_size: int = 1,
+        tp_plan: dict | None = None,
+        n_microbatches: int | None = None,
+        pp_schedule: str = "1f1b",
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"fastops.accelerate: unknown precision {precision!r}; choose one of {PRECISIONS}")
@@ -132,6 +151,8 @@ class Accelerator:
 
         _distributed.init_processes(self, device)
         self.strategy = _distributed.resolve_strategy(strategy, self.world_size, self.distributed)
+        self.n_microbatches, self.pp_schedule = n_microbatches or pp_size, pp_schedule
+        _distributed.init_mesh(self, tp_size, pp_size, tp_plan)
         self.precision, self.amp_dtype = _model.resolve_precision(precision, self.device)
         self.scaler: amp.GradScaler | None = None
         if self.precision == "fp16":
@@ -185,12 +206,23 @@ class Accelerator:
             self._step_state.exact_backward = False
         self._step_state.grads_scaled = True
 
+    def train_step(self, batch, loss_fn) -> torch.Tensor:
+        """Forward and backward of ``batch = (inputs, target)``: ``loss_fn(model(inputs), target)`` then
+        ``backward``; under strategy="pp" the pipeline schedule over microbatches. Returns the (detached) loss;
+        the optimizer steps as before. The one loop change pipelining needs."""
+        if self.pipeline is not None:
+            return self.pipeline.train_step(batch, loss_fn)
+        inputs, target = batch
+        loss = loss_fn(self.model(inputs), target)
+        self.backward(loss)
+        return loss.detach()
+
     def unwrap(self, model: nn.Module | None = None) -> nn.Module:
         """The user's module under the DDP wrapper (FSDP2 works in place)."""
         model = self.model if model is None else model
         return model.module if hasattr(model, "no_sync") and hasattr(model, "module") else model
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, full: bool = False) -> None:
         """Writes model, optimizer, scaler, schedulers, step counters, each rank's RNG states and loader epochs
         to ``path``.
 
@@ -203,8 +235,12 @@ class Accelerator:
         write, say).
 
         The loaders' epochs are saved, not the position inside a pass: a run resumed from a save made in the
-        middle of a pass starts that pass again from its first batch. Save at the end of a pass."""
-        _checkpoint.save(self, os.fspath(path))
+        middle of a pass starts that pass again from its first batch. Save at the end of a pass.
+
+        Under "tp", "fsdp+tp" and "pp", ``path`` is a directory of shards (torch.distributed.checkpoint, see
+        fastops._dcp) that no rank gathers and that loads on another mesh or in one process; ``full=True``
+        writes one consolidated file plain ``torch.load`` reads."""
+        _checkpoint.save(self, os.fspath(path), full)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restores what ``save`` wrote; each rank gets back its own RNG state.

@@ -51,9 +51,38 @@ def _state(acc: "Accelerator", rngs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def save(acc: "Accelerator", path: str) -> None:
+def _extra(acc: "Accelerator") -> dict[str, torch.Tensor]:
+    return {"step": torch.tensor(acc.step), "micro_step": torch.tensor(acc.micro_step),
+            "loader_epochs": torch.tensor([ld.epoch for ld in acc.loaders], dtype=torch.long)}  # fmt: skip
+
+
+def _save_sharded(acc: "Accelerator", path: str, full: bool) -> None:
+    from .. import _dcp
+
+    if acc.schedulers or acc.scaler is not None:
+        raise NotImplementedError("fastops.Accelerator.save: LR schedulers and the fp16 scaler are not in sharded "
+                                  "checkpoints yet")
+    with acc._step_state.raw_calls():  # get_state_dict may create the optimizer state with a step
+        _dcp.save(path, acc.model, acc.optimizer, extra=_extra(acc), full=full)
+
+
+def _load_sharded(acc: "Accelerator", path: str) -> None:
+    from .. import _dcp
+
+    with acc._step_state.raw_calls():
+        extra = _dcp.load(path, acc.model, acc.optimizer)
+    acc.step, acc.micro_step = int(extra["step"]), int(extra["micro_step"])
+    for ld, epoch in zip(acc.loaders, extra["loader_epochs"].tolist()):
+        ld.epoch = epoch
+
+
+def save(acc: "Accelerator", path: str, full: bool = False) -> None:
     if acc.model is None:
         raise ValueError("fastops.Accelerator.save: nothing prepared yet")
+    if acc.mesh is not None:
+        return _save_sharded(acc, path, full)
+    if full:
+        raise ValueError("fastops.Accelerator.save: full=True is for sharded strategies; this checkpoint is one file")
     if acc.micro_step % acc.accumulate:
         warnings.warn(
             "fastops.Accelerator.save: saving in the middle of an accumulation cycle; the gradients "
@@ -86,6 +115,8 @@ def save(acc: "Accelerator", path: str) -> None:
 
 
 def load(acc: "Accelerator", path: str) -> None:
+    if acc.mesh is not None or os.path.isdir(path) or os.path.isdir(path + ".old"):
+        return _load_sharded(acc, path)
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:

@@ -18,7 +18,9 @@ from .._util import resolve_device
 if TYPE_CHECKING:
     from . import Accelerator
 
-STRATEGIES = ("auto", "ddp", "fsdp", "none")
+STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp+tp", "pp", "none")
+MODEL_PARALLEL = ("tp", "fsdp+tp", "pp")  # on a device mesh (fastops._parallel)
+SHARDED = ("fsdp", *MODEL_PARALLEL)
 _FLAGS = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
 
 
@@ -48,12 +50,34 @@ def init_processes(acc: "Accelerator", device: torch.device | str | None) -> Non
 def resolve_strategy(strategy: str, world_size: int, distributed: bool) -> str:
     if strategy == "auto":
         strategy = "ddp" if world_size > 1 else "none"
-    if strategy in ("ddp", "fsdp") and not distributed:
+    if strategy != "none" and not distributed:
         raise ValueError(
             f"fastops.accelerate: strategy={strategy!r} needs a process group; launch with torchrun "
             "(which sets RANK, WORLD_SIZE and LOCAL_RANK) or call torch.distributed.init_process_group first"
         )
     return strategy
+
+
+def init_mesh(acc: "Accelerator", tp_size: int, pp_size: int, tp_plan) -> None:
+    """Sets ``acc.mesh`` (None outside model parallelism) and the data-parallel ``dp_rank``/``dp_size`` the
+    loader shards by: under TP or PP, ranks of one dp group see the same batches."""
+    acc.mesh, acc.tp_plan, acc.pipeline = None, tp_plan, None
+    acc.dp_rank, acc.dp_size = acc.rank, acc.world_size
+    if acc.strategy not in MODEL_PARALLEL:
+        if tp_size != 1 or pp_size != 1 or tp_plan is not None:
+            raise ValueError(f"fastops.accelerate: tp_size, pp_size and tp_plan need strategy 'tp', 'fsdp+tp' or "
+                             f"'pp', not {acc.strategy!r}")
+        return
+    from .. import _parallel
+
+    if acc.strategy == "pp" and (pp_size < 2 or tp_size != 1):
+        raise ValueError(f"fastops.accelerate: strategy='pp' needs pp_size >= 2 (and tp_size=1), got "
+                         f"pp_size={pp_size}, tp_size={tp_size}")
+    if acc.strategy != "pp" and (tp_size < 2 or pp_size != 1):
+        raise ValueError(f"fastops.accelerate: strategy={acc.strategy!r} needs tp_size >= 2 (and pp_size=1), got "
+                         f"tp_size={tp_size}, pp_size={pp_size}")
+    acc.mesh = _parallel.make_mesh(acc.world_size, tp_size=tp_size, pp_size=pp_size, device_type=acc.device.type)
+    acc.dp_rank, acc.dp_size = acc.mesh["dp"].get_local_rank(), acc.mesh["dp"].size()
 
 
 def keep_freed_memory() -> bool:
@@ -125,7 +149,7 @@ def grad_sync_context(module: nn.Module, strategy: str, sync: bool):
     micro-step must not be all-reduced yet; FSDP2 is told through ``set_requires_gradient_sync`` instead."""
     if strategy == "ddp" and not sync:
         return module.no_sync()
-    if strategy == "fsdp":
+    if strategy in ("fsdp", "fsdp+tp"):
         module.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
 

@@ -90,11 +90,12 @@ def prepare_loader(acc: "Accelerator", loader) -> Loader:
     # global RNGs must stay in the loop's order (see the module docstring); worker processes draw
     # from their own generators, seeded on this thread when the pass starts.
     background = not (isinstance(loader, DataLoader) and loader.num_workers == 0)
-    if acc.world_size > 1:
+    # By data-parallel rank: under TP and PP the ranks of one dp group (a TP group, a pipeline) see the same batches.
+    if acc.dp_size > 1:
         if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset):
-            loader = _shard_dataloader(loader, acc.rank, acc.world_size)
+            loader = _shard_dataloader(loader, acc.dp_rank, acc.dp_size)
         else:
-            loader = RoundRobin(loader, acc.rank, acc.world_size)
+            loader = RoundRobin(loader, acc.dp_rank, acc.dp_size)
     wrapped = Loader(Prefetcher(loader, device=acc.device, background=background))
     acc.loaders.append(wrapped)
     return wrapped

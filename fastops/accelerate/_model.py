@@ -99,12 +99,58 @@ def prepare_model(acc: "Accelerator", model: nn.Module) -> nn.Module:
     model.to(acc.device)
     acc._names = {id(p): n for n, p in model.named_parameters()}
     acc._inner = model
+    if acc.strategy == "pp":
+        return _prepare_pipeline(acc, model)
     if acc.compile:
         model.forward = torch.compile(model.forward)
-    wrapped = _distributed.wrap(model, acc.strategy, acc.device)
+    if acc.strategy in ("tp", "fsdp+tp"):
+        from .. import _parallel
+
+        wrapped = _parallel.parallelize(model, acc.mesh, acc.strategy, acc.tp_plan)
+    else:
+        wrapped = _distributed.wrap(model, acc.strategy, acc.device)
     _wrap_forward(acc, wrapped)
     acc.model = wrapped
     return wrapped
+
+
+PLAIN_LOOP_UNDER_PP = (
+    "fastops.accelerate: under strategy='pp' the pipeline schedule runs forward and backward itself, so the "
+    "model cannot be called in the loop; replace `loss = loss_fn(model(x), y); loss.backward()` with "
+    "`loss = acc.train_step((x, y), loss_fn)` (acc = optimizer.accelerator), and keep optimizer.step()")
+
+
+class PipelineModel(nn.Module):
+    """What ``prepare`` returns under strategy="pp": this rank's stage (its parameters, state_dict, train/eval),
+    which refuses to be called: the loop runs the schedule through ``Accelerator.train_step``."""
+
+    def __init__(self, pipeline) -> None:
+        super().__init__()
+        for name, child in pipeline.module.named_children():
+            self.add_module(name, child)  # the model's own FQNs: its checkpoint loads into the whole model
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(PLAIN_LOOP_UNDER_PP)
+
+
+def _prepare_pipeline(acc: "Accelerator", model: nn.Module) -> nn.Module:
+    from .. import _parallel
+
+    if acc.scaler is not None or acc.accumulate > 1 or acc.compile:
+        raise ValueError("fastops.accelerate: strategy='pp' supports neither fp16, accumulate > 1 nor compile yet "
+                         "(the schedule's microbatches already accumulate: raise n_microbatches)")
+    pipe = _parallel.Pipeline(model, acc.mesh, n_microbatches=acc.n_microbatches, schedule=acc.pp_schedule)
+    if acc.amp_dtype is not None:
+        inner_forward = pipe.module.forward
+
+        def forward(*args, **kwargs):
+            with torch.autocast(acc.device.type, dtype=acc.amp_dtype):
+                return inner_forward(*args, **kwargs)
+
+        pipe.module.forward = forward
+    acc.pipeline = pipe
+    acc.model = PipelineModel(pipe)
+    return acc.model
 
 
 def _wrap_forward(acc: "Accelerator", module: nn.Module) -> None:

@@ -29,7 +29,12 @@ def prepare_optimizer(acc: "Accelerator", opt: torch.optim.Optimizer) -> torch.o
         raise ValueError("fastops.Accelerator: one optimizer per Accelerator; this one already has an optimizer")
     if acc.model is None:
         raise ValueError("fastops.Accelerator.prepare: prepare the model before (or together with) the optimizer")
-    if acc.strategy == "fsdp":
+    if acc.strategy == "pp":
+        # The optimizer was built on the whole model: this rank steps its stage's parameters only.
+        mine = {id(p) for p in acc.model.parameters()}
+        for group in opt.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in mine]
+    elif acc.strategy in ("fsdp", "tp", "fsdp+tp"):
         _repoint(acc, opt)
     # torch's Adam/AdamW/SGD become fastops' in place (same object, so schedulers keep driving it); others
     # (and torch optimizers fastops cannot take) stay as they are.
@@ -41,6 +46,13 @@ def prepare_optimizer(acc: "Accelerator", opt: torch.optim.Optimizer) -> torch.o
                 group["max_grad_norm"] = acc.grad_clip
         if acc.strategy == "fsdp":
             opt.reduce_grad_stats = _distributed.all_reduce_stats
+        elif acc.mesh is not None:
+            from .. import _parallel
+
+            _parallel.global_grad_stats(opt, acc.mesh)
+    elif acc.mesh is not None and (acc.grad_clip is not None or acc.scaler is not None):
+        raise ValueError(f"fastops.accelerate: under strategy={acc.strategy!r}, grad_clip and fp16 need an "
+                         f"optimizer fastops fuses (torch Adam, AdamW, SGD), not {type(opt).__name__}")
     opt.step = types.MethodType(_step, opt)
     opt.zero_grad = types.MethodType(_zero_grad, opt)
     opt.accelerator = acc
