@@ -158,6 +158,18 @@ def test_layout_conversions_are_counted():
     assert cc.layout_conversions("%b = tt.load %p") == 0
 
 
+def test_local_accesses_are_counted():
+    # A stack frame without these (a slow-path subroutine's ABI frame) is not reported as a spill.
+    sass = """
+        /*0100*/                   STL [R1+0x4], R12 ;
+        /*0110*/                   LDL.64 R4, [R1] ;
+        /*0120*/                   STG.E [R2.64], R5 ;
+        /*0130*/                   CALL.REL.NOINC 0xc8b0 ;
+    """
+    assert cc.count_local_accesses(sass) == 2
+    assert cc.count_local_accesses("STG.E [R2.64], R5 ;\nLDG.E R4, [R2.64] ;") == 0
+
+
 def test_real_compiles_flag_errors_and_spills(tmp_path):
     script = tmp_path / "compile_check_run.py"
     script.write_text(COMPILE)
