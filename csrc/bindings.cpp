@@ -2,6 +2,7 @@
 // cpu_capability(). fastops._backend looks the ops up by name on the submodules.
 #include <torch/extension.h>
 
+#include "cpu/kernels.h"
 #include "fastops.h"
 
 namespace py = pybind11;
@@ -13,6 +14,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
           py::arg("amsgrad"), py::arg("maximize"), py::arg("decoupled"), py::arg("grad_scale"),
           py::arg("found_inf"), py::call_guard<py::gil_scoped_release>());
+  cpp.def("adam_step_lowp_", &fastops::cpu::adam_step_lowp_, py::arg("params"), py::arg("grads"),
+          py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("exp_avg_absmax"), py::arg("exp_avg_sq_absmax"),
+          py::arg("state_steps"), py::arg("master_params"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+          py::arg("eps"), py::arg("weight_decay"), py::arg("maximize"), py::arg("decoupled"), py::arg("seed"),
+          py::arg("grad_scale"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>());
   cpp.def("sgd_step_", &fastops::cpu::sgd_step_, py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"),
           py::arg("master_params"), py::arg("lr"), py::arg("weight_decay"), py::arg("momentum"),
           py::arg("dampening"), py::arg("nesterov"), py::arg("maximize"), py::arg("is_first_step"),
@@ -21,6 +27,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("inv_scale"), py::call_guard<py::gil_scoped_release>());
   cpp.def("grad_stats", &fastops::cpu::grad_stats, py::arg("grads"), py::arg("inv_scale") = py::none(),
           py::call_guard<py::gil_scoped_release>());
+
+  // The 8-bit maps' fp32 constants as the kernels hold them, for the test that they are fastops/_quant.py's.
+  cpp.def("quant_constants", [](bool is_signed) {
+    const fastops::cpu::QuantMap& q = fastops::cpu::quant_map(is_signed);
+    return py::dict(py::arg("qmap") = std::vector<float>(q.qmap, q.qmap + 256),
+                    py::arg("T") = std::vector<float>(q.T, q.T + 8), py::arg("P") = std::vector<float>(q.P, q.P + 7),
+                    py::arg("F") = std::vector<float>(q.F, q.F + 7), py::arg("n") = std::vector<int>(q.n, q.n + 7));
+  }, py::arg("signed"));
+  cpp.def("sr_key", &fastops::cpu::sr_key, py::arg("seed"), py::arg("index"));
 
   cpp.def("cpu_cache_enable", &fastops::cpu::cpu_cache_enable, py::arg("limit_bytes"),
           "Keep freed CPU blocks of 8 MiB and more (at most limit_bytes) for reuse; see csrc/cpu/cache.cpp.");

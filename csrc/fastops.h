@@ -15,6 +15,10 @@ void check_adam_args(const std::vector<at::Tensor>& params, const std::vector<at
                      const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                      const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& state_steps,
                      const std::vector<at::Tensor>& master_params, bool amsgrad);
+void check_adam_lowp_args(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                          const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                          const std::vector<at::Tensor>& exp_avg_absmax, const std::vector<at::Tensor>& exp_avg_sq_absmax,
+                          const std::vector<at::Tensor>& state_steps, const std::vector<at::Tensor>& master_params);
 void check_sgd_args(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                     const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& master_params,
                     double momentum);
@@ -34,6 +38,16 @@ void adam_step_(const std::vector<at::Tensor>& params, const std::vector<at::Ten
                 const std::vector<at::Tensor>& master_params, const at::Tensor& lr, double beta1, double beta2,
                 double eps, double weight_decay, bool amsgrad, bool maximize, bool decoupled,
                 const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
+
+void adam_step_lowp_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                     const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                     const std::vector<at::Tensor>& exp_avg_absmax, const std::vector<at::Tensor>& exp_avg_sq_absmax,
+                     const std::vector<at::Tensor>& state_steps, const std::vector<at::Tensor>& master_params,
+                     const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
+                     bool decoupled, int64_t seed, const std::optional<at::Tensor>& grad_scale,
+                     const std::optional<at::Tensor>& found_inf);
+// _quant.sr_key(seed, index): the 32-bit stochastic-rounding key of the tensor at `index` of a call.
+uint32_t sr_key(int64_t seed, int64_t index);
 
 void sgd_step_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& master_params,

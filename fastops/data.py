@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from ._tree import forward_attribute, map_tensors
+from ._util import forward_attribute, map_tensors, resolve_device
 
 __all__ = ["Prefetcher"]
 
@@ -79,30 +79,6 @@ def _fresh_batches(iterable: Any) -> bool:
     if not isinstance(iterable, DataLoader):
         return False
     return iterable.num_workers > 0 or (iterable.batch_sampler is not None and iterable.collate_fn is default_collate)
-
-
-def _resolve_device(device: Any) -> torch.device:
-    if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"fastops.data.Prefetcher: unknown device {device!r}") from e
-    if dev.type == "cpu":
-        return dev
-    if dev.type != "cuda":
-        raise ValueError(f"fastops.data.Prefetcher: device {device!r} is not supported; use 'cpu' or 'cuda'")
-    if not torch.cuda.is_available():
-        raise ValueError(f"fastops.data.Prefetcher: device {device!r} requested but CUDA is not available")
-    index = torch.cuda.current_device() if dev.index is None else dev.index
-    if index >= torch.cuda.device_count():
-        raise ValueError(
-            f"fastops.data.Prefetcher: device {device!r} does not exist "
-            f"({torch.cuda.device_count()} CUDA device(s) visible)"
-        )
-    return torch.device("cuda", index)
 
 
 def _dense_stride(t: torch.Tensor) -> tuple[int, ...]:
@@ -331,7 +307,7 @@ class Prefetcher:
 
     Args:
         iterable: yields batches: tensors, possibly nested in dicts, lists, tuples, namedtuples, dataclasses
-            and the containers torch's pytree knows (``fastops._tree.map_tensors``). Other leaves pass through
+            and the containers torch's pytree knows (``fastops._util.map_tensors``). Other leaves pass through
             unchanged.
         device: where the batches go. ``None`` means the current CUDA device if CUDA is available, else
             the CPU. On the CPU the batches are passed through as they are, copied only where the loader may
@@ -372,7 +348,7 @@ class Prefetcher:
         if transform is not None and not callable(transform):
             raise TypeError(f"fastops.data.Prefetcher: transform must be callable, got {type(transform).__name__}")
         self.iterable = iterable
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device, who="fastops.data.Prefetcher")
         self.depth = depth
         self.background = bool(background)
         # Run ahead, the worker would hand the step tensors that the loader, resumed meanwhile, may refill.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import importlib
 import math
 import os
 import re
@@ -25,11 +24,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from fastops import optim
-from fastops.accelerate import Accelerator, accelerate
+from fastops import _util, optim
+from fastops.accelerate import Accelerator, _checkpoint, _distributed, _loader, _model, accelerate
 from tests import dist_worker
 
-facc = importlib.import_module("fastops.accelerate")  # the module: `fastops.accelerate` may be the function
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -646,7 +644,7 @@ def test_a_loader_that_refills_one_buffer_gives_the_plain_loops_batches():
     assert seen == [float(i) for i in range(n)]
     # With several ranks, each reads a whole round before it yields its own batch of it.
     for rank in (0, 1):
-        got = [x[0, 0].item() for x, _ in facc._RoundRobin(_refilling(7), rank, 2)]
+        got = [x[0, 0].item() for x, _ in _loader.RoundRobin(_refilling(7), rank, 2)]
         assert got == [float(i) for i in range(rank, 6, 2)]
 
 
@@ -818,7 +816,7 @@ def test_checkpoint_rng_of_another_world_size_or_version(tmp_path):
     assert ckpt["fastops_checkpoint"] == 2 and len(ckpt["rng"]) == 1
     mine = ckpt["rng"][0]["torch"]
     torch.manual_seed(42)
-    ckpt["rng"].append(facc._rng_state())  # as if saved by 2 ranks
+    ckpt["rng"].append(_checkpoint._rng_state())  # as if saved by 2 ranks
     torch.save(ckpt, path)
     torch.manual_seed(7)
     with pytest.warns(UserWarning, match=r"RNG states of 2 rank\(s\), this run has 1; rank r restores saved rank"):
@@ -911,7 +909,7 @@ def test_checkpoint_with_numpy_hyperparameters_loads(tmp_path):
         (dict(grad_clip=-1.0), "grad_clip must be > 0"),
         (dict(strategy="ddp"), "strategy='ddp' needs a process group"),
         (dict(strategy="fsdp"), "strategy='fsdp' needs a process group"),
-        (dict(device="meta"), "cannot train on device 'meta'; use 'cpu' or 'cuda'"),
+        (dict(device="meta"), "device 'meta' is not supported; use 'cpu' or 'cuda'"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -922,22 +920,22 @@ def test_bad_arguments(kwargs, match):
 def test_cpu_cache_settings(monkeypatch):
     for off in ("0", "false", "OFF", "No"):
         monkeypatch.setenv("FASTOPS_KEEP_FREED_MEMORY", off)
-        assert not facc._keep_freed_memory() and not Accelerator(precision="fp32").keeps_freed_memory
+        assert not _distributed.keep_freed_memory() and not Accelerator(precision="fp32").keeps_freed_memory
     for on in ("1", "True", "on", "YES"):
         monkeypatch.setenv("FASTOPS_KEEP_FREED_MEMORY", on)
-        assert facc._keep_freed_memory()
+        assert _distributed.keep_freed_memory()
     monkeypatch.setenv("FASTOPS_KEEP_FREED_MEMORY", "maybe")
     with pytest.raises(ValueError, match="FASTOPS_KEEP_FREED_MEMORY must be 1, true, on, yes or 0, false, off, no"):
-        facc._keep_freed_memory()
+        _distributed.keep_freed_memory()
     monkeypatch.setenv("FASTOPS_KEEP_FREED_MEMORY", "1")
     for bad in ("1" + "0" * 20, "1.5", "-1", "lots"):
         monkeypatch.setenv("FASTOPS_CPU_CACHE_MB", bad)
         with pytest.raises(ValueError, match=f"FASTOPS_CPU_CACHE_MB must be a whole number of MiB .* got '{bad}'"):
-            facc._keep_freed_memory()
+            _distributed.keep_freed_memory()
 
 
 def test_fp16_without_autocast_support(monkeypatch):
-    monkeypatch.setattr(facc, "_autocast_supported", lambda device_type, dtype: dtype != torch.float16)
+    monkeypatch.setattr(_model, "_autocast_supported", lambda device_type, dtype: dtype != torch.float16)
     with pytest.raises(ValueError, match="precision='fp16' is not supported by autocast on device cpu"):
         accelerate(*make(), precision="fp16")
 
@@ -951,7 +949,7 @@ def test_device_resolution(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    resolve = facc._resolve_device
+    resolve = _util.resolve_device
     # Under torchrun (LOCAL_RANK=2): "cuda" and no device both mean this rank's GPU, not every rank on one.
     assert resolve("cuda", local_rank=2) == resolve(None, local_rank=2) == torch.device("cuda", 2)
     assert resolve("cuda:1", local_rank=2) == torch.device("cuda", 1)

@@ -188,3 +188,54 @@ def test_bad_grads_at_the_amp_ops(cpu_backend):
         ops.unscale_check_([torch.ones(3), torch.ones(3, dtype=torch.long)], torch.zeros(1), torch.tensor(1.0))
     with pytest.raises(RuntimeError, match="needs at least one tensor"):
         ops.grad_stats([])
+
+
+def _lowp_bad_calls():
+    from tests.test_lowp_ops import lowp_inputs
+
+    def with_(i, value, **kw):
+        args = lowp_inputs([300, 3], **kw)
+        args[i] = value(args) if callable(value) else value
+        return args
+
+    return {
+        "one exp_avg short": with_(2, lambda a: a[2][:1]),
+        "one master short": with_(7, lambda a: a[7][:1], master=True),
+        "fp16 grad for fp32 param": with_(1, lambda a: [a[1][0].half(), a[1][1]]),
+        "int param": with_(0, lambda a: [torch.zeros(300, dtype=torch.int32), a[0][1]]),
+        "gapped param": with_(0, lambda a: [torch.zeros(600)[::2], a[0][1]]),
+        "fp32 states": with_(2, lambda a: [torch.zeros(300), torch.zeros(3)]),
+        "bf16 exp_avg_sq with uint8 exp_avg": with_(3, lambda a: [c.bfloat16() for c in a[3]]),
+        "state shape": with_(3, lambda a: [a[3][0], torch.zeros(4, dtype=torch.uint8)]),
+        "state strides": [[torch.zeros(30, 20).t()], [torch.zeros(30, 20).t()], [torch.zeros(20, 30, dtype=torch.uint8)],
+                          [torch.zeros(20, 30, dtype=torch.uint8)], [torch.zeros(3)], [torch.zeros(3)]]
+                         + lowp_inputs([6])[6:],  # fmt: skip
+        "fp16 master": with_(7, lambda a: [m.half() for m in a[7]], master=True),
+        "int state step": with_(6, lambda a: [torch.tensor(1), a[6][1]]),
+        "absmax list short": with_(4, lambda a: a[4][:1]),
+        "absmax too short": with_(5, lambda a: [torch.zeros(1), a[5][1]]),
+        "absmax float64": with_(4, lambda a: [a[4][0].double(), a[4][1]]),
+        "absmax given with bf16 states": with_(4, [torch.zeros(2), torch.zeros(1)], mode="bf16"),
+        "lr with two elements": with_(8, torch.tensor([0.1, 0.1])),
+        "integer grad_scale": with_(16, torch.tensor(2)),
+        "found_inf with two elements": with_(17, torch.zeros(2)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_lowp_bad_calls()))
+def test_lowp_bad_input_fails_alike_in_cpp_and_python(case):
+    """adam_step_lowp_'s C++ checks (csrc/cpu/checks.cpp) say what _checks.check_adam_lowp_args says, word for
+    word, and nothing is written."""
+    from fastops import _backend, reference
+    from tests.test_lowp_ops import _bits, _clone
+
+    with pytest.raises(RuntimeError) as ref_err:
+        reference.adam_step_lowp_(*_lowp_bad_calls()[case])
+    args = _lowp_bad_calls()[case]
+    before = _clone(args)
+    with pytest.raises(RuntimeError) as err:
+        _backend.load("cpp", "cpu").adam_step_lowp_(*args)
+    assert str(err.value) == str(ref_err.value) and str(err.value).startswith("fastops")
+    for got, want in zip(args[:8], before[:8]):
+        for a, b in zip(got, want):
+            assert a.dtype != b.dtype or torch.equal(_bits(a), _bits(b))

@@ -65,17 +65,17 @@ void check_dense(const at::Tensor& t, const std::string& what) {
               "fused kernels walk the tensor's memory as one block");
 }
 
-// dtype: the required dtype, or ref's dtype when kUndefined.
+// dtype: the required dtype, or ref's dtype when kUndefined. prefix starts each message (_checks.check_like's).
 void check_like(const at::Tensor& t, const at::Tensor& ref, const char* what, size_t i, const char* ref_what,
-                at::ScalarType dtype) {
-  TORCH_CHECK(t.sizes() == ref.sizes(), "fastops: ", what, "[", i, "] has shape ", py_tuple(t.sizes()), " but ",
+                at::ScalarType dtype, const char* prefix = "fastops: ") {
+  TORCH_CHECK(t.sizes() == ref.sizes(), prefix, what, "[", i, "] has shape ", py_tuple(t.sizes()), " but ",
               ref_what, "[", i, "] has shape ", py_tuple(ref.sizes()));
   const at::ScalarType want = dtype == at::ScalarType::Undefined ? ref.scalar_type() : dtype;
-  TORCH_CHECK(t.scalar_type() == want, "fastops: ", what, "[", i, "] has dtype ", py_dtype(t.scalar_type()),
+  TORCH_CHECK(t.scalar_type() == want, prefix, what, "[", i, "] has dtype ", py_dtype(t.scalar_type()),
               " but must be ", py_dtype(want), " (as ", ref_what, "[", i, "])");
-  TORCH_CHECK(t.device() == ref.device(), "fastops: ", what, "[", i, "] is on ", t.device().str(), " but ", ref_what,
+  TORCH_CHECK(t.device() == ref.device(), prefix, what, "[", i, "] is on ", t.device().str(), " but ", ref_what,
               "[", i, "] is on ", ref.device().str());
-  TORCH_CHECK(t.numel() <= 1 || t.strides() == ref.strides(), "fastops: ", what, "[", i, "] has strides ",
+  TORCH_CHECK(t.numel() <= 1 || t.strides() == ref.strides(), prefix, what, "[", i, "] has strides ",
               py_tuple(t.strides()), " but ", ref_what, "[", i, "] has strides ", py_tuple(ref.strides()));
 }
 
@@ -137,6 +137,52 @@ void check_adam_args(const std::vector<at::Tensor>& params, const std::vector<at
     const at::Tensor& s = state_steps[i];
     TORCH_CHECK(s.numel() == 1 && s.scalar_type() == at::kFloat, "fastops.adam_step_: state_steps[", i,
                 "] must be a float32 tensor with one element");
+  }
+}
+
+void check_adam_lowp_args(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                          const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                          const std::vector<at::Tensor>& exp_avg_absmax, const std::vector<at::Tensor>& exp_avg_sq_absmax,
+                          const std::vector<at::Tensor>& state_steps, const std::vector<at::Tensor>& master_params) {
+  constexpr const char* op = "fastops.adam_step_lowp_";
+  // Same order as the dict in _checks.check_adam_lowp_args; only the master weights are fp32 like the param.
+  check_per_param("adam_step_lowp_", params, grads,
+                  {{"grads", &grads, false},
+                   {"exp_avgs", &exp_avgs, false},
+                   {"exp_avg_sqs", &exp_avg_sqs, false},
+                   {"state_steps", &state_steps, false},
+                   {"master_params", master_params.empty() ? nullptr : &master_params, true}});
+  const at::ScalarType state_dtype = exp_avgs.empty() ? at::kByte : exp_avgs[0].scalar_type();
+  TORCH_CHECK(state_dtype == at::kByte || state_dtype == at::kBFloat16, op, ": exp_avgs[0] has dtype ",
+              py_dtype(state_dtype), "; expected uint8 (8-bit states) or bfloat16");
+  const bool eight_bit = state_dtype == at::kByte;
+  const std::string prefix = std::string(op) + ": ";
+  for (size_t i = 0; i < exp_avgs.size(); ++i)
+    check_like(exp_avgs[i], params[i], "exp_avgs", i, "params", state_dtype, prefix.c_str());
+  for (size_t i = 0; i < exp_avg_sqs.size(); ++i)
+    check_like(exp_avg_sqs[i], params[i], "exp_avg_sqs", i, "params", state_dtype, prefix.c_str());
+  for (size_t i = 0; i < state_steps.size(); ++i) {
+    const at::Tensor& s = state_steps[i];
+    TORCH_CHECK(s.numel() == 1 && s.scalar_type() == at::kFloat, op, ": state_steps[", i,
+                "] must be a float32 tensor with one element");
+  }
+  for (const auto& [name, lst] : {std::pair{"exp_avg_absmax", &exp_avg_absmax},
+                                  std::pair{"exp_avg_sq_absmax", &exp_avg_sq_absmax}}) {
+    if (!eight_bit) {
+      TORCH_CHECK(lst->empty(), op, ": ", name, " must be empty with bfloat16 states");
+      continue;
+    }
+    TORCH_CHECK(lst->size() == params.size(), op, ": expected ", params.size(), " ", name,
+                " (one per param), got ", lst->size());
+    for (size_t i = 0; i < lst->size(); ++i) {
+      const at::Tensor& a = (*lst)[i];
+      const int64_t blocks = (params[i].numel() + 255) / 256;
+      TORCH_CHECK(a.scalar_type() == at::kFloat && a.device() == params[i].device() && a.dim() == 1 &&
+                      a.numel() == blocks && a.is_contiguous(),
+                  op, ": ", name, "[", i, "] must be a contiguous 1-D float32 tensor of ", blocks,
+                  " elements (one per 256 of params[", i, "]) on ", params[i].device().str(), ", got ",
+                  py_dtype(a.scalar_type()), " of shape ", py_tuple(a.sizes()), " on ", a.device().str());
+    }
   }
 }
 

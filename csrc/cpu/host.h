@@ -45,21 +45,23 @@ inline GradScaling grad_scaling(const std::optional<at::Tensor>& grad_scale, boo
 // All tensors of a call laid end to end in one index space, each padded to a multiple of kAlign elements
 // (so a work boundary inside a tensor falls on a 64-byte line for every dtype), cut into units of kUnit
 // elements. at::parallel_for over units then balances 100 small tensors like one large one, and a unit's
-// position never depends on the thread count.
+// position never depends on the thread count. adam_step_lowp_ pads to 256 instead (`align`), so that no
+// 8-bit block of 256 elements, whose absmax one thread computes, is split between units.
 struct FlatLayout {
   static constexpr int64_t kAlign = 32;
   static constexpr int64_t kUnit = 16384;
+  static_assert(kUnit % 256 == 0, "a unit holds whole 8-bit blocks");
 
   std::vector<int64_t> start;  // start[i]: first flat index of tensor i; start[n]: padded total
   std::vector<int64_t> numel;
 
   template <class NumelOf>
-  FlatLayout(size_t n, NumelOf numel_of) : start(n + 1), numel(n) {
+  FlatLayout(size_t n, NumelOf numel_of, int64_t align = kAlign) : start(n + 1), numel(n) {
     int64_t pos = 0;
     for (size_t i = 0; i < n; ++i) {
       start[i] = pos;
       numel[i] = numel_of(i);
-      pos += (numel[i] + kAlign - 1) / kAlign * kAlign;
+      pos += (numel[i] + align - 1) / align * align;
     }
     start[n] = pos;
   }
@@ -83,8 +85,8 @@ struct FlatLayout {
 // kernel(work[i], begin, end) over every element of every tensor of a call, in one at::parallel_for over a
 // FlatLayout of work[i].numel.
 template <class Work, class Kernel>
-void parallel_over(const std::vector<Work>& work, const Kernel& kernel) {
-  const FlatLayout layout(work.size(), [&](size_t i) { return work[i].numel; });
+void parallel_over(const std::vector<Work>& work, const Kernel& kernel, int64_t align = FlatLayout::kAlign) {
+  const FlatLayout layout(work.size(), [&](size_t i) { return work[i].numel; }, align);
   at::parallel_for(0, layout.units(), 1, [&](int64_t ub, int64_t ue) {
     layout.for_each(ub * FlatLayout::kUnit, ue * FlatLayout::kUnit,
                     [&](size_t i, int64_t b, int64_t e) { kernel(work[i], b, e); });

@@ -78,6 +78,44 @@ struct StatsPartial {
   uint32_t max_abs_bits;
 };
 
+// The fp32 constants of one 8-bit map, as fastops/_quant.py defines them (built once on the host, in
+// adam_lowp.cpp). P, F and n hold 7 decades padded to 8 lanes so that one vpermps looks a decade's value up.
+struct QuantMap {
+  float qmap[256];  // code -> value
+  float T[8];       // T[0]: below it, code 0; T[1..6]: decade boundaries; T[7]: from it, the top code
+  float P[8];       // 10^(6 - i)
+  float F[8];       // n_i / 0.9
+  int32_t n[8];     // fractions in decade i
+};
+
+// The two maps (exp_avg's signed, exp_avg_sq's unsigned), built on first use (adam_lowp.cpp).
+const QuantMap& quant_map(bool is_signed);
+
+// Scalars of one adam_step_lowp_ call: adam_step_'s (amsgrad off) and the state format.
+struct LowpConsts {
+  AdamConsts adam;
+  bool eight_bit;              // uint8 codes + absmax, else bf16 with stochastic rounding
+  const QuantMap* signed_map;  // exp_avg's
+  const QuantMap* unsigned_map;  // exp_avg_sq's
+};
+
+// One tensor of an adam_step_lowp_ call. Ranges handed to the kernel start on a multiple of 256 elements
+// (the 8-bit block), so a block is never split between threads.
+struct LowpTensor {
+  void* param;
+  const void* grad;
+  void* exp_avg;             // uint8 codes or bf16 bits, laid out like the param
+  void* exp_avg_sq;
+  float* exp_avg_absmax;     // 8-bit only: one per 256 elements
+  float* exp_avg_sq_absmax;
+  float* master;             // null when there are no master weights
+  int64_t numel;
+  Dtype dtype;
+  float neg_step_size;
+  float bc2_sqrt;
+  uint32_t sr_key;           // bf16 only: _quant.sr_key(seed, index of the tensor)
+};
+
 struct KernelTable {
   const char* name;
   // Updates elements [begin, end) of tensor t.
@@ -88,6 +126,8 @@ struct KernelTable {
   bool (*unscale)(void* g, Dtype dt, int64_t n, float inv_scale, bool write);
   // Adds [0, n) of g * inv_scale into *acc (the max |x| bits are of g itself, for the inf/nan check).
   void (*stats)(const void* g, Dtype dt, int64_t n, float inv_scale, StatsPartial* acc);
+  // Updates elements [begin, end) of tensor t; begin is a multiple of 256.
+  void (*adam_lowp)(const LowpTensor& t, const LowpConsts& c, int64_t begin, int64_t end);
 };
 
 extern const KernelTable kTableDefault;

@@ -12,6 +12,7 @@
 #define FASTOPS_ISA_TABLE kTableAvx512
 #define FASTOPS_ISA_NAME "avx512"
 #define FASTOPS_HAVE_FMA 1
+#define FASTOPS_HAVE_AVX2 1
 #define FASTOPS_HAVE_F16C 1
 #define FASTOPS_HAVE_AVX512 1
 #include "kernels_isa.h"

@@ -22,6 +22,11 @@
 #else
 #define FASTOPS_HAVE_FMA 0
 #endif
+#if defined(__AVX2__)
+#define FASTOPS_HAVE_AVX2 1
+#else
+#define FASTOPS_HAVE_AVX2 0
+#endif
 #if defined(__F16C__)
 #define FASTOPS_HAVE_F16C 1
 #else

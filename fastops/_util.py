@@ -1,5 +1,5 @@
-"""What fastops.data and fastops.accelerate share: the walk over batches and model outputs, and attribute
-forwarding for their wrappers."""
+"""What fastops.data and fastops.accelerate share: the walk over batches and model outputs, the choice of
+device, and attribute forwarding for their wrappers."""
 
 from __future__ import annotations
 
@@ -63,3 +63,37 @@ def forward_attribute(obj: Any, inner: str, name: str) -> Any:
     if name.startswith("_") or wrapped is None:
         raise AttributeError(f"{type(obj).__name__!r} object has no attribute {name!r}")
     return getattr(wrapped, name)
+
+
+def resolve_device(device: Any, local_rank: int | None = None, who: str = "fastops") -> torch.device:
+    """The device to train or load on, with an index. ``local_rank`` is LOCAL_RANK when this is one of several
+    launched processes (None otherwise): a CUDA device given without an index, or no device at all, then means
+    cuda:LOCAL_RANK, so that ranks do not all share the current device (cuda:0 in every fresh process); without
+    it, the current CUDA device. No device means the CPU where CUDA is not available. Only 'cpu' and 'cuda' are
+    taken: fastops' kernels and the Prefetcher's copies run there, and meta holds no data. ``who`` names the
+    caller in the errors."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{who}: unknown device {device!r}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{who}: device {device!r} is not supported; use 'cpu' or 'cuda'")
+    if dev.type == "cpu":
+        return dev
+    if not torch.cuda.is_available():
+        raise ValueError(f"{who}: device {device!r} requested but CUDA is not available")
+    count = torch.cuda.device_count()
+    if dev.index is None:
+        if local_rank is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        if local_rank >= count:
+            raise ValueError(
+                f"{who}: LOCAL_RANK={local_rank} but this process sees {count} CUDA device(s); pass "
+                "device='cuda:N' for the device this rank should use"
+            )
+        return torch.device("cuda", local_rank)
+    if dev.index >= count:
+        raise ValueError(f"{who}: device {device!r} does not exist ({count} CUDA device(s) visible)")
+    return dev

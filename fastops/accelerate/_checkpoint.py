@@ -1,0 +1,245 @@
+"""Accelerator checkpoints: the state gathered into one file (under FSDP2 the full model and optimizer state),
+written atomically by rank 0, checked against the prepared objects before a load changes anything, and each
+rank's RNG states."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import random
+import re
+import secrets
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+if TYPE_CHECKING:
+    from . import Accelerator
+
+_CKPT_VERSION = 2  # 2: one RNG state per rank (1 held rank 0's only)
+_CKPT_READABLE = (1, 2)
+
+
+def _state(acc: "Accelerator", rngs: list[dict[str, Any]]) -> dict[str, Any]:
+    if acc.strategy == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+        # Collective: every rank gathers, rank 0 receives the full (CPU) tensors.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd = get_model_state_dict(acc.model, options=options)
+        with acc._step_state.raw_calls():
+            optim_sd = get_optimizer_state_dict(acc.model, acc.optimizer, options=options) if acc.optimizer else None
+    else:
+        model_sd = acc.unwrap().state_dict()
+        optim_sd = acc.optimizer.state_dict() if acc.optimizer else None
+    return {
+        "fastops_checkpoint": _CKPT_VERSION,
+        "format": "fsdp" if acc.strategy == "fsdp" else "plain",
+        "precision": acc.precision,
+        "model": model_sd,
+        "optimizer": _plain(optim_sd),  # empty on FSDP ranks other than 0
+        "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
+        "schedulers": [_plain(s.scheduler.state_dict()) for s in acc.schedulers],
+        "step": acc.step,
+        "micro_step": acc.micro_step,
+        "loader_epochs": [ld.epoch for ld in acc.loaders],
+        "rng": rngs,  # index = rank
+    }
+
+
+def save(acc: "Accelerator", path: str) -> None:
+    if acc.model is None:
+        raise ValueError("fastops.Accelerator.save: nothing prepared yet")
+    if acc.micro_step % acc.accumulate:
+        warnings.warn(
+            "fastops.Accelerator.save: saving in the middle of an accumulation cycle; the gradients "
+            "accumulated so far are not saved, so a resumed run does not continue this cycle exactly",
+            stacklevel=3,
+        )
+    collective = acc.distributed and acc.world_size > 1
+    rngs = [_rng_state()]
+    if collective:
+        rngs = [None] * acc.world_size
+        dist.all_gather_object(rngs, _rng_state())
+    error = None
+    try:
+        state = _state(acc, rngs) if acc.is_main or acc.strategy == "fsdp" else None
+        if acc.is_main:
+            _write_atomic(state, path)
+    except BaseException as e:  # noqa: BLE001 - reported to every rank below, then re-raised
+        if not collective:
+            raise
+        error = e
+    if collective:
+        # Also the barrier that keeps every rank in save until the file is in place.
+        statuses = [None] * acc.world_size
+        dist.all_gather_object(statuses, None if error is None else f"{type(error).__name__}: {error}")
+        failed = [f"rank {r}: {s}" for r, s in enumerate(statuses) if s is not None]
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"fastops.Accelerator.save: {path} was not saved ({'; '.join(failed)})")
+
+
+def load(acc: "Accelerator", path: str) -> None:
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as e:
+        if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e):
+            raise RuntimeError(
+                f"fastops.Accelerator.load: {path} holds a type that torch.load(weights_only=True) refuses to "
+                "unpickle, not damaged data (Accelerator.save converts numpy values; other types in param groups "
+                "or scheduler states stay as they are). If you trust the file, allow the type with "
+                f"torch.serialization.add_safe_globals. torch says: {e}"
+            ) from e
+        raise RuntimeError(
+            f"fastops.Accelerator.load: {path} is not a readable checkpoint (truncated or corrupt?): {e}"
+        ) from e
+    _check(acc, ckpt, path)
+    rngs = ckpt["rng"] if isinstance(ckpt["rng"], list) else [ckpt["rng"]]  # v1 kept rank 0's only
+    if len(rngs) != acc.world_size:
+        warnings.warn(
+            f"fastops.Accelerator.load: {path} holds the RNG states of {len(rngs)} rank(s), this run has "
+            f"{acc.world_size}; rank r restores saved rank (r mod {len(rngs)})'s, so random draws (dropout, "
+            "unseeded shuffling) do not continue those of the saved run",
+            stacklevel=3,
+        )
+    model = acc.unwrap()
+    if ckpt["format"] == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(acc.model, ckpt["model"], options=options)
+        if acc.optimizer is not None:
+            with acc._step_state.raw_calls():
+                set_optimizer_state_dict(acc.model, acc.optimizer, ckpt["optimizer"], options=options)
+    else:
+        model.load_state_dict(ckpt["model"])
+        if acc.optimizer is not None:
+            acc.optimizer.load_state_dict(ckpt["optimizer"])
+    if acc.scaler is not None:
+        acc.scaler.load_state_dict(ckpt["scaler"])
+    for sched, sd in zip(acc.schedulers, ckpt["schedulers"]):
+        sched.scheduler.load_state_dict(sd)
+    for loader, epoch in zip(acc.loaders, ckpt["loader_epochs"]):
+        loader.set_epoch(epoch)
+    acc.step, acc.micro_step = ckpt["step"], ckpt["micro_step"]
+    acc._step_state.last_step_real = acc.micro_step % acc.accumulate == 0
+    acc._step_state.grads_scaled = False
+    _set_rng_state(rngs[acc.rank % len(rngs)])
+
+
+def _check(acc: "Accelerator", ckpt: Any, path: str) -> None:
+    def fail(why: str):
+        raise ValueError(f"fastops.Accelerator.load: {path} does not match what this Accelerator prepared: {why}")
+
+    if not isinstance(ckpt, dict) or ckpt.get("fastops_checkpoint") not in _CKPT_READABLE:
+        raise RuntimeError(
+            f"fastops.Accelerator.load: {path} is not a fastops checkpoint (versions {_CKPT_READABLE} are read)"
+        )
+    if acc.model is None:
+        fail("nothing is prepared yet; prepare the model (and optimizer) first")
+    expected = "fsdp" if acc.strategy == "fsdp" else "plain"
+    if ckpt["format"] != expected:
+        fail(f"it was saved with {'FSDP' if ckpt['format'] == 'fsdp' else 'no FSDP'} and is loaded with "
+             f"strategy={acc.strategy!r}")  # fmt: skip
+    current = {k: tuple(v.shape) for k, v in acc.unwrap().state_dict().items()}
+    saved = {k: tuple(v.shape) for k, v in ckpt["model"].items()}
+    if current != saved:
+        missing, unexpected = sorted(current.keys() - saved.keys()), sorted(saved.keys() - current.keys())
+        common = sorted(current.keys() & saved.keys())
+        shapes = [f"{k}: {saved[k]} vs {current[k]}" for k in common if saved[k] != current[k]]
+        fail(f"model missing keys {missing[:5]}, unexpected keys {unexpected[:5]}, shape mismatches {shapes[:5]}")
+    if acc.optimizer is not None:
+        if ckpt["optimizer"] is None:
+            fail("it has no optimizer state")
+        if expected == "plain":
+            sizes = [len(g["params"]) for g in ckpt["optimizer"]["param_groups"]]
+            ours = [len(g["params"]) for g in acc.optimizer.param_groups]
+            if sizes != ours:
+                fail(f"optimizer param groups of sizes {sizes} vs {ours}")
+    if (acc.scaler is None) != (ckpt["scaler"] is None):
+        fail(f"it was saved with precision={ckpt['precision']!r}, loaded with {acc.precision!r} (loss scaler)")
+    if len(ckpt["schedulers"]) < len(acc.schedulers):
+        fail(f"it has {len(ckpt['schedulers'])} scheduler(s), {len(acc.schedulers)} prepared")
+
+
+def _write_atomic(obj: Any, path: str) -> None:
+    """torch.save to a temp file next to ``path`` that then replaces it. A symlink at ``path`` is written
+    through, as torch.save does: its target is replaced and the link stays a link."""
+    directory, base = os.path.split(os.path.realpath(path))
+    # Only rank 0 writes and one run's saves follow each other, so a temp file of this target that is there now
+    # was left by a save that was killed (20 kills left 246 MiB of them): removed before it piles up.
+    stale = re.compile(re.escape(base) + r"\.[0-9a-f]{12}\.tmp")
+    for name in os.listdir(directory):
+        if stale.fullmatch(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+    path = os.path.join(directory, base)
+    tmp = os.path.join(directory, f"{base}.{secrets.token_hex(6)}.tmp")
+    # Created by os.open with 0o666 so the kernel applies the umask (and a default ACL) as for open(path, "wb");
+    # tempfile.mkstemp's 0o600 would make the checkpoint unreadable to the group.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if hasattr(os, "O_DIRECTORY"):  # POSIX; Windows cannot open a directory
+        # The rename is a change to the directory: until the directory is synced a power loss can bring
+        # back the previous file.
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _plain(tree: Any) -> Any:
+    """``tree`` with numpy values (``lr=np.float64(3e-4)`` in a param group, a scheduler's ``base_lrs`` copied
+    from it) as Python numbers and lists, which ``torch.load(weights_only=True)`` reads and numpy's types are not.
+    Not for a model's state_dict: rebuilt, its OrderedDict would lose the ``_metadata`` that module versions use."""
+
+    def plain(v: Any) -> Any:
+        return v.tolist() if type(v).__module__ == "numpy" and hasattr(v, "tolist") else v  # not np.dtype
+
+    return pytree.tree_map(plain, tree)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    with contextlib.suppress(ImportError):
+        import numpy as np
+
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        # As tensors and numbers, so the checkpoint loads with weights_only=True.
+        state["numpy"] = {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                          "has_gauss": int(has_gauss), "cached": float(cached)}  # fmt: skip
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        with contextlib.suppress(ImportError):
+            import numpy as np
+
+            s = state["numpy"]
+            np.random.set_state((s["name"], s["keys"].numpy().astype("uint32"), s["pos"], s["has_gauss"], s["cached"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -1,0 +1,36 @@
+"""What the forward, the output hooks, ``backward`` and the patched optimizer step tell each other between two
+optimizer steps: one object per Accelerator, so every module reads and sets the same fields under the same
+names."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class StepState:
+    last_step_real: bool = True  # the last optimizer.step() call was a real step, not a micro-step
+    raw: bool = False  # inside our own step: optimizer.step/zero_grad run as the class's
+    via_call: bool = False  # set by the forward pre-hook: forward runs inside model(...), hooks and all
+    grads_scaled: bool = False  # gradient came through scaled outputs (or backward()) since the last step
+    exact_backward: bool = False  # inside Accelerator.backward(): the output hooks leave the gradient alone
+    hooked: bool = False  # outputs got grad hooks since the last step
+    user_scaler: Any = None  # a GradScaler of the user's scaled this step's loss: it drives (_model.give_way_to)
+    warned_outputs: bool = False  # the warning about outputs with no floating tensor was given
+
+    def end_step(self) -> None:
+        """After a real optimizer step: the next step's gradients start unscaled and unhooked."""
+        self.grads_scaled = self.hooked = False
+        self.user_scaler = None
+
+    @contextlib.contextmanager
+    def raw_calls(self):
+        """optimizer.step()/zero_grad() inside run as the class's and do not count as training steps (our own
+        step, and torch.distributed.checkpoint creating the optimizer state)."""
+        self.raw = True
+        try:
+            yield
+        finally:
+            self.raw = False
