@@ -176,6 +176,8 @@ def main() -> int:
                 rows.append(common.row(case["name"], provider, step, [ms], "cpu", loss=loss))
             r["final"] = sum(r["losses"][-args.tail:]) / len(r["losses"][-args.tail:])
             r["wall_s"] = time.perf_counter() - t0
+            print(f"{case['name']:40s} {provider:18s} done in {r['wall_s']:.0f} s, final loss {r['final']:.4f}",
+                  flush=True)
         ref = results["fastops fp32"]["final"] if "fastops fp32" in results else None
         for provider, r in results.items():
             ratio = r["final"] / ref if ref else float("nan")

@@ -372,7 +372,7 @@ class _Fused:
         for i, st in sd["state"].items():
             st = dict(st)
             if "exp_avg" in st:
-                st["exp_avg"], st["exp_avg_sq"] = (t.clone() if t is st[k] else t for t, k in zip(moments_fp32(st), _MOMENTS))
+                st["exp_avg"], st["exp_avg_sq"] = moments_fp32(st)  # fp32 ones as they are, as torch's state_dict
                 for key in _ABSMAX:
                     st.pop(key, None)
             state[i] = st
@@ -632,7 +632,7 @@ class _AdamBase(_Fused):
             if len(state) == 0:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
                 _new_moments(state, fmt, p)
-            elif state["exp_avg"].dtype != (torch.uint8 if fmt == "8bit" else torch.bfloat16 if fmt == "bf16" else torch.float32):
+            elif _moment_format(state) != fmt:
                 # The group's state_dtype was changed between steps: the states follow it.
                 _convert_moments(state, fmt, p)
             if amsgrad and "max_exp_avg_sq" not in state:
@@ -858,7 +858,9 @@ class SGD(_Fused, torch.optim.SGD):
         """torch.optim.SGD's constructor checks and messages."""
         _check_scalars(group, k, read_device, self._nonnegative)
         if group.get("state_dtype", "fp32") != "fp32":
-            raise ValueError(f"fastops.optim.SGD keeps its momentum in fp32; state_dtype applies to Adam and AdamW{_where(k)}")
+            raise ValueError(
+                f"fastops.optim.SGD keeps its momentum in fp32; state_dtype applies to Adam and AdamW{_where(k)}"
+            )
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError(f"Nesterov momentum requires a momentum and zero dampening{_where(k)}")
 
