@@ -109,7 +109,7 @@ def save(path: str, model, optimizer=None, extra: dict | None = None, full: bool
     state["rng"] = {str(_rank()): torch.get_rng_state()}  # one key per rank: each rank's dropout draws resume
     tmp, old = path + ".tmp", path + ".old"
     _on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True))  # a save killed earlier
-    dcp.save(state, checkpoint_id=tmp)  # ends with a collective: every rank's shards are written
+    dcp.save(state, checkpoint_id=tmp, no_dist=not _dist())  # ends with a collective: every rank's shards are written
 
     def publish():
         if meta is not None:
@@ -167,7 +167,7 @@ def load(path: str, model, optimizer=None, rng: bool = True) -> dict:
             size = getattr(meta, "size", None)
             if size is not None:
                 state["extra"][key[len("extra."):]] = torch.empty(size, dtype=meta.properties.dtype)
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, no_dist=not _dist())
     if optimizer is None:
         set_state_dict_model(model, state["model"])
     else:
