@@ -18,8 +18,10 @@ checkpoint is first moved to ``<dir>.old`` and removed after; a save killed betw
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,15 @@ def _rank() -> int:
 
 
 META = "fastops.pt"
+
+
+@contextlib.contextmanager
+def _one_process_quiet():
+    """torch 2.14 warns on every DCP call without a process group, even with ``no_dist=True``; one process is
+    a supported case here (a checkpoint loaded outside the launcher), not a mistake to warn about."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        yield
 
 
 def _on_rank0(fn) -> None:
@@ -109,7 +120,8 @@ def save(path: str, model, optimizer=None, extra: dict | None = None, full: bool
     state["rng"] = {str(_rank()): torch.get_rng_state()}  # one key per rank: each rank's dropout draws resume
     tmp, old = path + ".tmp", path + ".old"
     _on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True))  # a save killed earlier
-    dcp.save(state, checkpoint_id=tmp, no_dist=not _dist())  # ends with a collective: every rank's shards are written
+    with _one_process_quiet():
+        dcp.save(state, checkpoint_id=tmp, no_dist=not _dist())  # ends with a collective: every rank's shards are written
 
     def publish():
         if meta is not None:
@@ -167,7 +179,8 @@ def load(path: str, model, optimizer=None, rng: bool = True) -> dict:
             size = getattr(meta, "size", None)
             if size is not None:
                 state["extra"][key[len("extra."):]] = torch.empty(size, dtype=meta.properties.dtype)
-    dcp.load(state, checkpoint_id=path, no_dist=not _dist())
+    with _one_process_quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=not _dist())
     if optimizer is None:
         set_state_dict_model(model, state["model"])
     else:
