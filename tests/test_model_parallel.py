@@ -128,7 +128,9 @@ def test_one_line_accelerate_matches_one_process_and_checkpoints(runs, world, ca
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = fastops.Accelerator(strategy="none", precision="fp32").prepare(model, opt)
-    opt.accelerator.load(path)
+    with pytest.warns(UserWarning, match=rf"RNG states of {world} rank\(s\), this run has 1") as warned:
+        opt.accelerator.load(path)
+    assert warned[0].filename == __file__  # points at the caller's load
     assert opt.accelerator.step == len(got["losses"])
     for k, v in model.state_dict().items():
         assert torch.equal(v, full["model"][k]), k

@@ -91,16 +91,16 @@ def _load_sharded(acc: "Accelerator", path: str) -> None:
         acc.scaler.load_state_dict(meta["scaler"])
     for sched, sd in zip(acc.schedulers, meta["schedulers"]):
         sched.scheduler.load_state_dict(sd)
-    _set_rng_state(_own_rng(acc, meta["rng"], path))
+    _set_rng_state(_own_rng(acc, meta["rng"], path, stacklevel=4))
 
 
-def _own_rng(acc: "Accelerator", rngs: list[dict[str, Any]], path: str) -> dict[str, Any]:
+def _own_rng(acc: "Accelerator", rngs: list[dict[str, Any]], path: str, stacklevel: int) -> dict[str, Any]:
     if len(rngs) != acc.world_size:
         warnings.warn(
             f"fastops.Accelerator.load: {path} holds the RNG states of {len(rngs)} rank(s), this run has "
             f"{acc.world_size}; rank r restores saved rank (r mod {len(rngs)})'s, so random draws (dropout, "
             "unseeded shuffling) do not continue those of the saved run",
-            stacklevel=4,
+            stacklevel=stacklevel + 1,  # the caller of Accelerator.load
         )
     return rngs[acc.rank % len(rngs)]
 
@@ -161,7 +161,7 @@ def load(acc: "Accelerator", path: str) -> None:
         ) from e
     _check(acc, ckpt, path)
     rngs = ckpt["rng"] if isinstance(ckpt["rng"], list) else [ckpt["rng"]]  # v1 kept rank 0's only
-    own = _own_rng(acc, rngs, path)
+    own = _own_rng(acc, rngs, path, stacklevel=3)
     model = acc.unwrap()
     if ckpt["format"] == "fsdp":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
