@@ -7,6 +7,10 @@ consolidated file that plain ``torch.load`` reads: ``{"model": state_dict, "opti
 "param_groups.<fqn>.<key>": ...}, "extra", "rng"}`` (the optimizer flattened per param, as
 ``flatten_optimizer_state_dict`` writes it).
 
+Small state that is neither sharded nor a tensor (LR schedulers, the fp16 scaler, counters, every rank's RNG
+states: what fastops.accelerate adds) goes in as ``meta``: rank 0 torch.saves it to ``<dir>.tmp/fastops.pt``
+before the rename, so it is part of the same atomic write; ``read_meta`` reads it back.
+
 Atomic: the shards go to ``<dir>.tmp``, which is renamed to ``<dir>`` once every rank has finished. The previous
 checkpoint is first moved to ``<dir>.old`` and removed after; a save killed between the two renames leaves
 ``<dir>.old``, which ``load`` then reads.
@@ -14,8 +18,10 @@ checkpoint is first moved to ``<dir>.old`` and removed after; a save killed betw
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -35,9 +41,58 @@ def _rank() -> int:
     return dist.get_rank() if _dist() else 0
 
 
-def _barrier() -> None:
+META = "fastops.pt"
+
+
+@contextlib.contextmanager
+def _one_process_quiet():
+    """torch 2.14 warns on every DCP call without a process group, even with ``no_dist=True``; one process is
+    a supported case here (a checkpoint loaded outside the launcher), not a mistake to warn about."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        yield
+
+
+def _on_rank0(fn) -> None:
+    """Runs ``fn`` on rank 0; an error there is raised on every rank (the others would otherwise wait in the
+    next collective for a rank that has left). Also the barrier after ``fn``."""
+    error = None
+    if _rank() == 0:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
+            if not _dist():
+                raise
+            error = e
     if _dist():
-        dist.barrier()
+        status = [None if error is None else f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(status, src=0)
+        if error is not None:
+            raise error
+        if status[0] is not None:
+            raise RuntimeError(f"fastops checkpoint: rank 0 failed: {status[0]}")
+
+
+def _write(obj, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def resolve(path: str) -> str:
+    """The directory a load reads: ``path``, or ``<path>.old`` left by a save killed between its two renames."""
+    if not os.path.isdir(path) and os.path.isdir(path + ".old"):
+        return path + ".old"
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no sharded checkpoint at {path!r} (nor {path}.old)")
+    return path
+
+
+def read_meta(path: str):
+    """What ``save(..., meta=)`` stored, or None for a checkpoint saved without it."""
+    file = os.path.join(resolve(path), META)
+    return torch.load(file, map_location="cpu", weights_only=True) if os.path.exists(file) else None
 
 
 # Optimizer state and hyperparameters keyed per param FQN: pipeline stages hold different params, and a
@@ -54,29 +109,33 @@ def _state(model, optimizer, options=_FLAT) -> dict:
     return {"model": msd, "optim": osd}
 
 
-def save(path: str, model, optimizer=None, extra: dict | None = None, full: bool = False) -> None:
-    """Saves the model, the optimizer (state and step counters), ``extra`` (tensors, e.g. the loop's counters)
-    and each rank's CPU RNG state. Collective: every rank calls it."""
+def save(path: str, model, optimizer=None, extra: dict | None = None, full: bool = False, meta=None) -> None:
+    """Saves the model, the optimizer (state and step counters), ``extra`` (tensors, e.g. the loop's counters),
+    each rank's CPU RNG state and rank 0's ``meta`` (plain Python values and CPU tensors, read back with
+    ``weights_only=True``). Collective: every rank calls it."""
     if full:
-        return _save_full(path, model, optimizer, extra)
+        return _save_full(path, model, optimizer, extra, meta)
     state = _state(model, optimizer)
     state["extra"] = dict(extra or {})
     state["rng"] = {str(_rank()): torch.get_rng_state()}  # one key per rank: each rank's dropout draws resume
     tmp, old = path + ".tmp", path + ".old"
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a save killed earlier
-    _barrier()
-    dcp.save(state, checkpoint_id=tmp)  # ends with a collective: every rank's shards are written
-    if _rank() == 0:
+    _on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True))  # a save killed earlier
+    with _one_process_quiet():
+        dcp.save(state, checkpoint_id=tmp, no_dist=not _dist())  # ends with a collective: every rank's shards are written
+
+    def publish():
+        if meta is not None:
+            _write(meta, os.path.join(tmp, META))
         if os.path.exists(path):
             shutil.rmtree(old, ignore_errors=True)
             os.rename(path, old)
         os.rename(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+
+    _on_rank0(publish)
 
 
-def _save_full(path: str, model, optimizer, extra) -> None:
+def _save_full(path: str, model, optimizer, extra, meta=None) -> None:
     # The one place a rank holds everything, as asked: rank 0 on the CPU.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True)
     state = _state(model, optimizer, options)  # rank 0 only (cpu_offload): its own params, DTensors gathered
@@ -91,21 +150,22 @@ def _save_full(path: str, model, optimizer, extra) -> None:
         dist.gather_object(plain, parts, dst=0)
         if _rank() == 0:
             state = {k: {**{n: v for part in parts for n, v in part[k].items()}, **state[k]} for k in state}
-    if _rank() == 0:
+
+    def write():
         state["extra"] = dict(extra or {})
         state["rng"] = torch.get_rng_state()
+        if meta is not None:
+            state["meta"] = meta
         tmp = path + ".tmp"
-        torch.save(state, tmp)
+        _write(state, tmp)
         os.replace(tmp, path)
-    _barrier()
+
+    _on_rank0(write)
 
 
 def load(path: str, model, optimizer=None, rng: bool = True) -> dict:
     """Loads a checkpoint written by ``save`` into this rank's shards (resharding as needed); returns ``extra``."""
-    if not os.path.isdir(path) and os.path.isdir(path + ".old"):
-        path = path + ".old"  # a save was killed between its two renames
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"no sharded checkpoint at {path!r} (nor {path}.old)")
+    path = resolve(path)
     state = _state(model, optimizer)
     state["extra"] = {}
     md = dcp.FileSystemReader(path).read_metadata()
@@ -119,7 +179,8 @@ def load(path: str, model, optimizer=None, rng: bool = True) -> dict:
             size = getattr(meta, "size", None)
             if size is not None:
                 state["extra"][key[len("extra."):]] = torch.empty(size, dtype=meta.properties.dtype)
-    dcp.load(state, checkpoint_id=path)
+    with _one_process_quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=not _dist())
     if optimizer is None:
         set_state_dict_model(model, state["model"])
     else:

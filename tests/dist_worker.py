@@ -165,6 +165,9 @@ def main(strategy: str, out: str) -> None:
         results[f"fp16_{name}"] = {"losses": losses, "scales": scales}
 
     results.update(_checkpoint_checks(strategy, os.path.dirname(out)))
+    if strategy == "fsdp":
+        for precision in ("fp32", "fp16"):
+            results[f"sharded_{precision}"] = _sharded_resume(precision, os.path.dirname(out))
 
     if dist.get_rank() == 0:
         torch.save(results, out)
@@ -212,6 +215,7 @@ def _noisy_epoch(model, opt, loader) -> None:
 
 def _checkpoint_checks(strategy: str, directory: str) -> dict[str, bool]:
     import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.utils.data import DistributedSampler
 
     rank = dist.get_rank()
@@ -234,11 +238,16 @@ def _checkpoint_checks(strategy: str, directory: str) -> dict[str, bool]:
     resumed = _full(model)
     out["resume_bitwise"] = _all(all(torch.equal(uninterrupted[n], p) for n, p in resumed.items()))
 
-    # Rank 0 cannot write there: save must raise on both ranks, not leave rank 1 waiting or believing it saved.
+    # Nothing can be written there: save must raise on both ranks, not leave rank 1 waiting or believing it saved.
+    # Below a regular file, as DCP creates missing directories.
+    blocker = os.path.join(directory, "a_file")
+    if rank == 0:
+        open(blocker, "w").close()
+    dist.barrier()
     try:
-        opt.accelerator.save(os.path.join(directory, "no_such_dir", "ckpt.pt"))
+        opt.accelerator.save(os.path.join(blocker, "ckpt.pt"))
         raised = False
-    except (FileNotFoundError, RuntimeError):
+    except (OSError, RuntimeError, CheckpointException):
         raised = True
     out["save_error_on_every_rank"] = _all(raised)
 
@@ -258,6 +267,85 @@ def _checkpoint_checks(strategy: str, directory: str) -> dict[str, bool]:
             seen = os.path.exists(done)
         dist.barrier()
         out["rank0_only_load"] = _all(seen)
+    return out
+
+
+# ---- FSDP's sharded checkpoints: a scheduler and the fp16 scaler, resumed at 2 ranks here, in 1 process by the test
+
+SHARDED_EPOCHS = 2  # saved after the first
+
+
+def sharded_setup(strategy: str, precision: str, batch_size: int = PER_RANK_BATCH):
+    """Model, fused AdamW with clipping, a StepLR that decays inside the first epoch, an unshuffled loader."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fastops.accelerate import Accelerator
+
+    model, opt = make("adamw")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    loader = DataLoader(TensorDataset(*data()), batch_size=batch_size)
+    acc = Accelerator(strategy=strategy, precision=precision, grad_clip=0.05)
+    return (acc, *acc.prepare(model, opt, sched, loader))
+
+
+def sharded_epoch(model, opt, sched, batches) -> list[float]:
+    import torch.distributed as dist
+
+    losses = []
+    for x, y in batches:
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        mean = loss.detach().float().clone()
+        if dist.is_initialized():
+            dist.all_reduce(mean)
+            mean /= dist.get_world_size()
+        losses.append(mean.item())
+    return losses
+
+
+def _legacy_fsdp_file(acc, path: str) -> None:
+    """The one gathered file strategy="fsdp" saved before its checkpoints were sharded (fastops 8f3ed5f)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    from fastops.accelerate import _checkpoint
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = get_model_state_dict(acc.model, options=options)
+    with acc._step_state.raw_calls():
+        optim_sd = get_optimizer_state_dict(acc.model, acc.optimizer, options=options)
+    state = {"format": "fsdp", "model": model_sd, "optimizer": optim_sd, **_checkpoint._small(acc, _checkpoint._rngs(acc))}
+    if dist.get_rank() == 0:
+        torch.save(state, path)
+    dist.barrier()
+
+
+def _sharded_resume(precision: str, directory: str) -> dict:
+    """Two epochs straight, and one epoch, save (a directory), load into fresh objects, one more: the losses
+    after the save, the scheduler's and scaler's states at it, and (fp32) the same from the old one-file format."""
+    acc, model, opt, sched, loader = sharded_setup("fsdp", precision)
+    straight = []
+    for _ in range(SHARDED_EPOCHS):
+        straight += sharded_epoch(model, opt, sched, loader)
+
+    acc, model, opt, sched, loader = sharded_setup("fsdp", precision)
+    first = sharded_epoch(model, opt, sched, loader)
+    path = os.path.join(directory, f"sharded_{precision}")
+    acc.save(path)
+    saved = {"sched": sched.state_dict(), "scaler": acc.scaler.state_dict() if acc.scaler else None}
+    if precision == "fp32":
+        _legacy_fsdp_file(acc, path + ".legacy.pt")
+    out = {"straight": straight, "first": first, "path": path, "saved": saved, "files": sorted(os.listdir(path))}
+    for source in [path] + ([path + ".legacy.pt"] if precision == "fp32" else []):
+        acc, model, opt, sched, loader = sharded_setup("fsdp", precision)
+        acc.load(source)
+        loaded = {"sched": sched.state_dict(), "scaler": acc.scaler.state_dict() if acc.scaler else None}
+        key = "legacy" if source.endswith(".pt") else "resumed"
+        out[key] = {"losses": sharded_epoch(model, opt, sched, loader), "state": loaded, "step": acc.step,
+                    "epoch": loader.epoch}  # fmt: skip
     return out
 
 

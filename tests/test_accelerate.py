@@ -1136,3 +1136,41 @@ def test_two_ranks_match_one_process(strategy, tmp_path):
         assert scales[0] == scales[1], (name, scales)  # the same steps were skipped on both ranks
         assert all(map(math.isfinite, result[name]["losses"][-2:]))
     assert result["fp16_adamw_clip"]["scales"][0] < 65536.0  # some steps were skipped
+    if strategy == "fsdp":
+        _check_sharded_fsdp_checkpoints(result)
+
+
+def _check_sharded_fsdp_checkpoints(result):
+    """Saved by 2 FSDP ranks after one epoch: the directory of shards holds no gathered file; it resumes at 2 ranks
+    and in one process with the losses of the uninterrupted run, scheduler and fp16 scaler included."""
+    per_epoch = dist_worker.N // (dist_worker.PER_RANK_BATCH * dist_worker.WORLD)
+    for precision in ("fp32", "fp16"):
+        got = result[f"sharded_{precision}"]
+        assert got["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "fastops.pt"]
+        after = got["straight"][per_epoch:]
+        assert got["first"] == got["straight"][:per_epoch]
+        torch.testing.assert_close(got["resumed"]["losses"], after, rtol=1e-5, atol=0)
+        assert got["resumed"]["state"] == got["saved"] and got["resumed"]["step"] == 2 * per_epoch
+        if precision == "fp16":  # steps were skipped before the save: the scale and the scheduler show it
+            assert got["saved"]["scaler"]["scale"] < 65536.0
+            assert got["saved"]["sched"]["last_epoch"] < per_epoch
+        else:  # the one file FSDP saved before, gathered
+            torch.testing.assert_close(got["legacy"]["losses"], after, rtol=1e-5, atol=0)
+            assert got["legacy"]["state"] == got["saved"]
+
+        # One process, the same global batches (both ranks' halves side by side).
+        acc, model, opt, sched, _ = dist_worker.sharded_setup("none", precision)
+        with pytest.warns(UserWarning, match=r"RNG states of 2 rank\(s\), this run has 1"):
+            acc.load(got["path"])
+        assert acc.step == per_epoch and sched.state_dict() == got["saved"]["sched"]
+        if precision == "fp16":
+            assert acc.scaler.state_dict() == got["saved"]["scaler"]
+        x, y = dist_worker.data()
+        sc = dict(epochs=dist_worker.SHARDED_EPOCHS, shuffle=False)
+        batches = [(x[i], y[i]) for i in dist_worker.global_batches(sc)[per_epoch:]]
+        losses = dist_worker.sharded_epoch(model, opt, sched, batches)
+        torch.testing.assert_close(losses[0], after[0], rtol=1e-5, atol=0)  # the loaded weights, exactly
+        # Later steps: fp32 to 1e-5. Under fp16 one process sums the grads in another order than 2 ranks, and
+        # an fp16 rounding that flips with it moves the third loss by 1.6e-4 relative (fp16's unit roundoff is
+        # 4.9e-4): the bound is fp16's, not the checkpoint's.
+        torch.testing.assert_close(losses, after, rtol=1e-5 if precision == "fp32" else 2e-3, atol=0)

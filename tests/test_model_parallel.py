@@ -128,7 +128,9 @@ def test_one_line_accelerate_matches_one_process_and_checkpoints(runs, world, ca
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = fastops.Accelerator(strategy="none", precision="fp32").prepare(model, opt)
-    opt.accelerator.load(path)
+    with pytest.warns(UserWarning, match=rf"RNG states of {world} rank\(s\), this run has 1") as warned:
+        opt.accelerator.load(path)
+    assert warned[0].filename == __file__  # points at the caller's load
     assert opt.accelerator.step == len(got["losses"])
     for k, v in model.state_dict().items():
         assert torch.equal(v, full["model"][k]), k
@@ -150,7 +152,7 @@ def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeyp
     path = str(tmp_path / "ck")
     model, opt = _net_and_opt()
     _train_one(model, opt)
-    dcp.save(path, model, opt, extra={"step": torch.tensor(1)})
+    dcp.save(path, model, opt, extra={"step": torch.tensor(1)}, meta={"schedulers": [{"last_epoch": 1}]})
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     _train_one(model, opt)
 
@@ -160,14 +162,16 @@ def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path, monkeyp
 
     monkeypatch.setattr(dcp.dcp, "save", killed)
     with pytest.raises(KeyboardInterrupt):
-        dcp.save(path, model, opt, extra={"step": torch.tensor(2)})
+        dcp.save(path, model, opt, extra={"step": torch.tensor(2)}, meta={"schedulers": [{"last_epoch": 2}]})
     monkeypatch.undo()
+    assert dcp.read_meta(path) == {"schedulers": [{"last_epoch": 1}]}  # written with the shards it goes with
     fresh, fresh_opt = _net_and_opt()
     assert int(dcp.load(path, fresh, fresh_opt)["step"]) == 1
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, saved[k]), k
     os.rename(path, path + ".old")  # killed between the two renames of a later save
     assert int(dcp.load(path, *_net_and_opt())["step"]) == 1
+    assert dcp.read_meta(path) == {"schedulers": [{"last_epoch": 1}]}
 
 
 def test_model_without_a_plan_says_what_to_pass():

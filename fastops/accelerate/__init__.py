@@ -227,29 +227,33 @@ class Accelerator:
         to ``path``.
 
         With several ranks, every rank must call it at the same point of training: it gathers every rank's RNG
-        state (and under FSDP the full model and optimizer state), so ``if acc.is_main: acc.save(path)`` hangs.
-        Rank 0 writes, to a temp file in the same directory that then replaces ``path`` (a crash leaves the
-        previous checkpoint whole); the file gets the mode a plain ``open()`` gives (0o666 less the umask), and
-        the file and then its directory are fsynced, so the rename survives a power loss. ``save`` returns on
-        every rank once the file is in place, or raises on every rank when a rank failed (rank 0 could not
-        write, say).
+        state, so ``if acc.is_main: acc.save(path)`` hangs.
+
+        Under "fsdp", "tp", "fsdp+tp" and "pp", ``path`` is a directory of shards (torch.distributed.checkpoint,
+        see fastops._dcp): each rank writes its own, no rank gathers the model, and it loads on another number
+        of ranks or in one process. The shards go to ``path.tmp``, which replaces ``path`` once every rank has
+        written (a killed save leaves the previous checkpoint loadable); schedulers, scaler, counters and RNG
+        states go in the same directory. ``full=True`` writes one consolidated file plain ``torch.load`` reads.
+
+        Under "ddp" and "none" rank 0 writes one file, to a temp file in the same directory that then replaces
+        ``path`` (a crash leaves the previous checkpoint whole); the file gets the mode a plain ``open()`` gives
+        (0o666 less the umask), and the file and then its directory are fsynced, so the rename survives a power
+        loss. ``save`` returns on every rank once the checkpoint is in place, or raises on every rank when a rank
+        failed (rank 0 could not write, say).
 
         The loaders' epochs are saved, not the position inside a pass: a run resumed from a save made in the
-        middle of a pass starts that pass again from its first batch. Save at the end of a pass.
-
-        Under "tp", "fsdp+tp" and "pp", ``path`` is a directory of shards (torch.distributed.checkpoint, see
-        fastops._dcp) that no rank gathers and that loads on another mesh or in one process; ``full=True``
-        writes one consolidated file plain ``torch.load`` reads."""
+        middle of a pass starts that pass again from its first batch. Save at the end of a pass."""
         _checkpoint.save(self, os.fspath(path), full)
 
     def load(self, path: str | os.PathLike) -> None:
         """Restores what ``save`` wrote; each rank gets back its own RNG state.
 
-        Outside FSDP it makes no collective call: each rank reads the file on its own, so a load that only
-        some ranks make (``if acc.is_main: acc.load(path)``) does not hang. Under FSDP every rank must call it
-        (the full state is scattered into the shards). A load right after ``save`` reads the new file: save
-        returns only once it is in place, and ``os.replace`` swaps it atomically, so a concurrent reader sees
-        the old file or the new one, whole. Across machines this relies on the shared filesystem showing the
+        A one-file checkpoint (ddp, none) is read by each rank on its own, with no collective call, so a load
+        that only some ranks make (``if acc.is_main: acc.load(path)``) does not hang. A sharded one is loaded
+        by every rank together, each reading the pieces of its shards, whatever the number of ranks that saved
+        it; the one-file FSDP checkpoints of earlier versions load too. A load right after ``save`` reads the new
+        checkpoint: save returns only once it is in place, and a rename swaps it atomically, so a concurrent
+        reader sees the old one or the new one, whole. Across machines this relies on the shared filesystem showing the
         rename to every client at once, which NFS's attribute caching does not guarantee.
 
         The checkpoint is read and checked against the prepared objects before anything is changed: a

@@ -1,6 +1,8 @@
-"""Accelerator checkpoints: the state gathered into one file (under FSDP2 the full model and optimizer state),
-written atomically by rank 0, checked against the prepared objects before a load changes anything, and each
-rank's RNG states."""
+"""Accelerator checkpoints. Under every sharded strategy (fsdp, tp, fsdp+tp, pp) a directory of shards
+(fastops._dcp: no rank gathers the model, loads on another number of ranks or in one process); under ddp and
+none one file written atomically by rank 0 and checked against the prepared objects before a load changes
+anything. Both hold the schedulers, the fp16 scaler, the counters and each rank's RNG states. The one-file FSDP
+format of earlier versions (the gathered full state) still loads."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from ._distributed import SHARDED
+
 if TYPE_CHECKING:
     from . import Accelerator
 
@@ -24,24 +28,12 @@ _CKPT_VERSION = 2  # 2: one RNG state per rank (1 held rank 0's only)
 _CKPT_READABLE = (1, 2)
 
 
-def _state(acc: "Accelerator", rngs: list[dict[str, Any]]) -> dict[str, Any]:
-    if acc.strategy == "fsdp":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-        # Collective: every rank gathers, rank 0 receives the full (CPU) tensors.
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd = get_model_state_dict(acc.model, options=options)
-        with acc._step_state.raw_calls():
-            optim_sd = get_optimizer_state_dict(acc.model, acc.optimizer, options=options) if acc.optimizer else None
-    else:
-        model_sd = acc.unwrap().state_dict()
-        optim_sd = acc.optimizer.state_dict() if acc.optimizer else None
+def _small(acc: "Accelerator", rngs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What is neither model nor optimizer: the same on every rank (the scaler's found_inf is a MAX over ranks),
+    except the RNG states, which are every rank's."""
     return {
         "fastops_checkpoint": _CKPT_VERSION,
-        "format": "fsdp" if acc.strategy == "fsdp" else "plain",
         "precision": acc.precision,
-        "model": model_sd,
-        "optimizer": _plain(optim_sd),  # empty on FSDP ranks other than 0
         "scaler": acc.scaler.state_dict() if acc.scaler is not None else None,
         "schedulers": [_plain(s.scheduler.state_dict()) for s in acc.schedulers],
         "step": acc.step,
@@ -49,6 +41,20 @@ def _state(acc: "Accelerator", rngs: list[dict[str, Any]]) -> dict[str, Any]:
         "loader_epochs": [ld.epoch for ld in acc.loaders],
         "rng": rngs,  # index = rank
     }
+
+
+def _state(acc: "Accelerator", rngs: list[dict[str, Any]]) -> dict[str, Any]:
+    optim_sd = acc.optimizer.state_dict() if acc.optimizer else None
+    return {"format": "plain", "model": acc.unwrap().state_dict(), "optimizer": _plain(optim_sd), **_small(acc, rngs)}
+
+
+def _rngs(acc: "Accelerator") -> list[dict[str, Any]]:
+    """Every rank's RNG states, on every rank (collective with several ranks)."""
+    if not (acc.distributed and acc.world_size > 1):
+        return [_rng_state()]
+    rngs = [None] * acc.world_size
+    dist.all_gather_object(rngs, _rng_state())
+    return rngs
 
 
 def _extra(acc: "Accelerator") -> dict[str, torch.Tensor]:
@@ -59,44 +65,64 @@ def _extra(acc: "Accelerator") -> dict[str, torch.Tensor]:
 def _save_sharded(acc: "Accelerator", path: str, full: bool) -> None:
     from .. import _dcp
 
-    if acc.schedulers or acc.scaler is not None:
-        raise NotImplementedError("fastops.Accelerator.save: LR schedulers and the fp16 scaler are not in sharded "
-                                  "checkpoints yet")
+    meta = _small(acc, _rngs(acc))
     with acc._step_state.raw_calls():  # get_state_dict may create the optimizer state with a step
-        _dcp.save(path, acc.model, acc.optimizer, extra=_extra(acc), full=full)
+        _dcp.save(path, acc.model, acc.optimizer, extra=_extra(acc), full=full, meta=meta)
 
 
 def _load_sharded(acc: "Accelerator", path: str) -> None:
     from .. import _dcp
 
+    if acc.model is None:
+        raise ValueError("fastops.Accelerator.load: nothing is prepared yet; prepare the model (and optimizer) first")
+    meta = _dcp.read_meta(path)  # None: saved before schedulers and the scaler were part of sharded checkpoints
+    if meta is not None:
+        _check_small(acc, meta, path)
     with acc._step_state.raw_calls():
-        extra = _dcp.load(path, acc.model, acc.optimizer)
+        extra = _dcp.load(path, acc.model, acc.optimizer, rng=meta is None)
     acc.step, acc.micro_step = int(extra["step"]), int(extra["micro_step"])
     for ld, epoch in zip(acc.loaders, extra["loader_epochs"].tolist()):
-        ld.epoch = epoch
+        ld.set_epoch(epoch)
+    acc._step_state.last_step_real = acc.micro_step % acc.accumulate == 0
+    acc._step_state.grads_scaled = False
+    if meta is None:
+        return
+    if acc.scaler is not None:
+        acc.scaler.load_state_dict(meta["scaler"])
+    for sched, sd in zip(acc.schedulers, meta["schedulers"]):
+        sched.scheduler.load_state_dict(sd)
+    _set_rng_state(_own_rng(acc, meta["rng"], path, stacklevel=4))
+
+
+def _own_rng(acc: "Accelerator", rngs: list[dict[str, Any]], path: str, stacklevel: int) -> dict[str, Any]:
+    if len(rngs) != acc.world_size:
+        warnings.warn(
+            f"fastops.Accelerator.load: {path} holds the RNG states of {len(rngs)} rank(s), this run has "
+            f"{acc.world_size}; rank r restores saved rank (r mod {len(rngs)})'s, so random draws (dropout, "
+            "unseeded shuffling) do not continue those of the saved run",
+            stacklevel=stacklevel + 1,  # the caller of Accelerator.load
+        )
+    return rngs[acc.rank % len(rngs)]
 
 
 def save(acc: "Accelerator", path: str, full: bool = False) -> None:
     if acc.model is None:
         raise ValueError("fastops.Accelerator.save: nothing prepared yet")
-    if acc.mesh is not None:
-        return _save_sharded(acc, path, full)
-    if full:
-        raise ValueError("fastops.Accelerator.save: full=True is for sharded strategies; this checkpoint is one file")
     if acc.micro_step % acc.accumulate:
         warnings.warn(
             "fastops.Accelerator.save: saving in the middle of an accumulation cycle; the gradients "
             "accumulated so far are not saved, so a resumed run does not continue this cycle exactly",
             stacklevel=3,
         )
+    if acc.strategy in SHARDED:
+        return _save_sharded(acc, path, full)
+    if full:
+        raise ValueError("fastops.Accelerator.save: full=True is for sharded strategies; this checkpoint is one file")
     collective = acc.distributed and acc.world_size > 1
-    rngs = [_rng_state()]
-    if collective:
-        rngs = [None] * acc.world_size
-        dist.all_gather_object(rngs, _rng_state())
+    rngs = _rngs(acc)
     error = None
     try:
-        state = _state(acc, rngs) if acc.is_main or acc.strategy == "fsdp" else None
+        state = _state(acc, rngs) if acc.is_main else None
         if acc.is_main:
             _write_atomic(state, path)
     except BaseException as e:  # noqa: BLE001 - reported to every rank below, then re-raised
@@ -117,6 +143,7 @@ def save(acc: "Accelerator", path: str, full: bool = False) -> None:
 def load(acc: "Accelerator", path: str) -> None:
     if acc.mesh is not None or os.path.isdir(path) or os.path.isdir(path + ".old"):
         return _load_sharded(acc, path)
+    # A file: ddp/none's format, or the gathered one FSDP wrote before it saved shards.
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -134,13 +161,7 @@ def load(acc: "Accelerator", path: str) -> None:
         ) from e
     _check(acc, ckpt, path)
     rngs = ckpt["rng"] if isinstance(ckpt["rng"], list) else [ckpt["rng"]]  # v1 kept rank 0's only
-    if len(rngs) != acc.world_size:
-        warnings.warn(
-            f"fastops.Accelerator.load: {path} holds the RNG states of {len(rngs)} rank(s), this run has "
-            f"{acc.world_size}; rank r restores saved rank (r mod {len(rngs)})'s, so random draws (dropout, "
-            "unseeded shuffling) do not continue those of the saved run",
-            stacklevel=3,
-        )
+    own = _own_rng(acc, rngs, path, stacklevel=3)
     model = acc.unwrap()
     if ckpt["format"] == "fsdp":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
@@ -163,7 +184,7 @@ def load(acc: "Accelerator", path: str) -> None:
     acc.step, acc.micro_step = ckpt["step"], ckpt["micro_step"]
     acc._step_state.last_step_real = acc.micro_step % acc.accumulate == 0
     acc._step_state.grads_scaled = False
-    _set_rng_state(rngs[acc.rank % len(rngs)])
+    _set_rng_state(own)
 
 
 def _check(acc: "Accelerator", ckpt: Any, path: str) -> None:
@@ -195,6 +216,16 @@ def _check(acc: "Accelerator", ckpt: Any, path: str) -> None:
             ours = [len(g["params"]) for g in acc.optimizer.param_groups]
             if sizes != ours:
                 fail(f"optimizer param groups of sizes {sizes} vs {ours}")
+    _check_small(acc, ckpt, path)
+
+
+def _check_small(acc: "Accelerator", ckpt: dict[str, Any], path: str) -> None:
+    def fail(why: str):
+        raise ValueError(f"fastops.Accelerator.load: {path} does not match what this Accelerator prepared: {why}")
+
+    if ckpt.get("fastops_checkpoint") not in _CKPT_READABLE:
+        raise RuntimeError(f"fastops.Accelerator.load: {path} is not a fastops checkpoint (versions "
+                           f"{_CKPT_READABLE} are read)")  # fmt: skip
     if (acc.scaler is None) != (ckpt["scaler"] is None):
         fail(f"it was saved with precision={ckpt['precision']!r}, loaded with {acc.precision!r} (loss scaler)")
     if len(ckpt["schedulers"]) < len(acc.schedulers):
