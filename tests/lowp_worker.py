@@ -66,7 +66,12 @@ def sharded(fmt: str):
     for layer in (model[0], model[2]):
         fully_shard(layer)
     fully_shard(model)
-    return model, optimizer(model, fmt)
+    opt = optimizer(model, fmt)
+    # As fastops.accelerate(strategy="fsdp") does: the clip norm is over both shards, not this rank's.
+    from fastops.accelerate._distributed import all_reduce_stats
+
+    opt.reduce_grad_stats = all_reduce_stats
+    return model, opt
 
 
 def main() -> None:
