@@ -3,6 +3,7 @@ loaded at 2 ranks and in one process. The ranks run tests/lowp_worker.py."""
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import sys
@@ -86,3 +87,36 @@ def test_dcp_load_in_one_process(two_ranks, fmt):
     losses, _ = W.train(model, opt, range(W.SAVE_AT, W.STEPS))
     rtol = PROCESS_RTOL if fmt == "fp32" else REQUANT_RTOL
     torch.testing.assert_close(losses, res[fmt]["full"][W.SAVE_AT:], rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+def test_torch_fallback_mid_training_gets_fp32_states(fmt):
+    """A lowp group that turns to torch's step (here: its param reassigned to a view with gaps, which the kernels
+    do not update in place) hands torch fp32 states, not uint8 codes or bf16 moments; torch.optim.AdamW resumed from
+    the same states is the oracle. The next fused step brings the states back to the group's format."""
+    import fastops
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 80))  # 5120 elements: over MIN_8BIT_NUMEL, so 8-bit is used
+    opt = fastops.optim.AdamW([p], lr=1e-2, state_dtype=fmt)
+    for _ in range(3):
+        p.grad = torch.randn(64, 80)
+        opt.step()
+    assert opt.state[p]["exp_avg"].dtype == (torch.uint8 if fmt == "8bit" else torch.bfloat16)
+    ref = torch.nn.Parameter(p.detach().clone())
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2)
+    ref_opt.load_state_dict(copy.deepcopy(opt.to_fp32_state_dict()))  # not sharing the step tensor
+    gapped = torch.zeros(64, 160)
+    gapped[:, ::2] = p.detach()
+    p.data = gapped[:, ::2]
+    grad = torch.randn(64, 80)
+    p.grad, ref.grad = grad.clone(), grad.clone()
+    opt.step()
+    ref_opt.step()
+    assert opt.state[p]["exp_avg"].dtype == torch.float32
+    torch.testing.assert_close(p.detach(), ref.detach())
+    torch.testing.assert_close(opt.state[p]["exp_avg"], ref_opt.state[ref]["exp_avg"])
+    p.data = p.detach().contiguous()
+    p.grad = torch.randn(64, 80)
+    opt.step()
+    assert opt.state[p]["exp_avg"].dtype == (torch.uint8 if fmt == "8bit" else torch.bfloat16)
