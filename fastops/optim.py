@@ -531,12 +531,13 @@ class _Fused:
             # Unscaled inside the read, before squaring: scaled fp32 grads above 1.8e19 would square to inf.
             inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
             grads = [g for _, _, calls in work for call in calls for g in call[1]]
-            if self.reduce_grad_stats is None and any(_is_dtensor(p) for _, _, cs in work for c in cs for p in c[8]):
+            if (self.reduce_grad_stats is None and self.grad_stats_fn is None
+                    and any(_is_dtensor(p) for _, _, cs in work for c in cs for p in c[8])):
                 # The kernels see local shards: the norm and inf flag would be this rank's, a clip differing per
                 # rank (measured under fully_shard at 2 ranks: 0.338 against the true 0.474).
                 raise RuntimeError(
                     f"fastops.optim.{type(self).__name__}: max_grad_norm or a GradScaler with DTensor params (FSDP2 "
-                    "shards, TP) needs the global grad norm, but reduce_grad_stats is not set, so each rank would "
+                    "shards, TP) needs the global grad norm, but neither reduce_grad_stats nor grad_stats_fn is set, so each rank would "
                     "clip by its own shard's norm. Use fastops.accelerate, which sets it, or set "
                     "opt.reduce_grad_stats to a function that all-reduces [sum of squares, max |g|, found_inf] "
                     "(fastops.accelerate._distributed.all_reduce_stats for FSDP2 alone)"
