@@ -537,8 +537,8 @@ class _Fused:
                 # rank (measured under fully_shard at 2 ranks: 0.338 against the true 0.474).
                 raise RuntimeError(
                     f"fastops.optim.{type(self).__name__}: max_grad_norm or a GradScaler with DTensor params (FSDP2 "
-                    "shards, TP) needs the global grad norm, but neither reduce_grad_stats nor grad_stats_fn is set, so each rank would "
-                    "clip by its own shard's norm. Use fastops.accelerate, which sets it, or set "
+                    "shards, TP) needs the global grad norm, but neither reduce_grad_stats nor grad_stats_fn is set, "
+                    "so each rank would clip by its own shard's norm. Use fastops.accelerate, which sets one, or set "
                     "opt.reduce_grad_stats to a function that all-reduces [sum of squares, max |g|, found_inf] "
                     "(fastops.accelerate._distributed.all_reduce_stats for FSDP2 alone)"
                 )
