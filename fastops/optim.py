@@ -532,7 +532,7 @@ class _Fused:
             inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
             grads = [g for _, _, calls in work for call in calls for g in call[1]]
             if (self.reduce_grad_stats is None and self.grad_stats_fn is None
-                    and any(_is_dtensor(p) for _, _, cs in work for c in cs for p in c[8])):
+                    and any(_is_dtensor(p) for group, _, _ in work for p in group["params"])):
                 # The kernels see local shards: the norm and inf flag would be this rank's, a clip differing per
                 # rank (measured under fully_shard at 2 ranks: 0.338 against the true 0.474).
                 raise RuntimeError(
