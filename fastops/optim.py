@@ -140,6 +140,20 @@ def _fp32_zeros(p: Tensor) -> Tensor:
     return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
 
+def _is_dtensor(t: Tensor) -> bool:
+    return hasattr(t, "_local_tensor")
+
+
+def _like_param(t: Tensor, p: Tensor) -> Tensor:
+    """A local state ``t`` of a DTensor param ``p`` as a DTensor with ``p``'s mesh and placements (``t`` itself for
+    a plain param), so DCP saves it by its global offsets and reshards it to any other layout."""
+    if not _is_dtensor(p) or _is_dtensor(t):
+        return t
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
+
+
 def _state_format(group: dict[str, Any], p: Tensor) -> str:
     """The format of ``p``'s exp_avg and exp_avg_sq in ``group``: its state_dtype, except that 8-bit keeps fp32
     states for params under MIN_8BIT_NUMEL elements (counted over the whole param, so every rank of a sharded
@@ -182,13 +196,15 @@ def _convert_moments(state: dict[str, Any], fmt: str, p: Tensor) -> None:
     device = _local(p).device
     if current == fmt and state["exp_avg"].device == device:
         return
-    m, v = (t.to(device) for t in moments_fp32(state))
+    # Local shards from here on: a DTensor param's 8-bit codes are plain per-shard tensors (blocks of 256 inside
+    # the local shard), its fp32/bf16 states DTensors like the param.
+    m, v = (_local(t).to(device) for t in moments_fp32(state))
     for key in _ABSMAX:
         state.pop(key, None)
     if fmt == "fp32":
-        state["exp_avg"], state["exp_avg_sq"] = m, v
+        state["exp_avg"], state["exp_avg_sq"] = _like_param(m, p), _like_param(v, p)
     elif fmt == "bf16":
-        state["exp_avg"], state["exp_avg_sq"] = m.to(torch.bfloat16), v.to(torch.bfloat16)
+        state["exp_avg"], state["exp_avg_sq"] = (_like_param(t.to(torch.bfloat16), p) for t in (m, v))
     else:
         for key, absmax, t, signed in zip(_MOMENTS, _ABSMAX, (m, v), (True, False)):
             state[key], state[absmax] = _quant.quantize(t, signed)
@@ -354,6 +370,20 @@ class _Fused:
 
     @staticmethod
     def _state_dict_post_hook(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        # 8-bit states of DTensor params (FSDP2 shards, TP) are saved decoded to fp32 DTensors with the param's
+        # placements: codes are only meaningful with their block's absmax, and the 256-element blocks are cut
+        # inside each local shard, so a resharded load would pair codes with another block's absmax. The load
+        # re-encodes them in the loading optimizer's format on its own shards (README_lowp_draft.md, "Sharded").
+        # torch's state_dict shares the per-param dicts with self.state: replaced, not edited.
+        params = [p for g in self.param_groups for p in g["params"]]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for i, p in zip(ids, params):
+            st = state_dict["state"].get(i)
+            if st is not None and _is_dtensor(p) and "exp_avg" in st and _moment_format(st) == "8bit":
+                st = {k: v for k, v in st.items() if k not in _ABSMAX}
+                m, v = moments_fp32(self.state[p])
+                st["exp_avg"], st["exp_avg_sq"] = _like_param(m, p), _like_param(v, p)
+                state_dict["state"][i] = st
         # The stochastic-rounding step count goes with the bf16 groups, so a resumed run draws the bits the
         # uninterrupted one would have (a host read of a CPU tensor: no device sync).
         if any(g.get("state_dtype") == "bf16" for g in state_dict["param_groups"]):
@@ -501,6 +531,17 @@ class _Fused:
             # Unscaled inside the read, before squaring: scaled fp32 grads above 1.8e19 would square to inf.
             inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
             grads = [g for _, _, calls in work for call in calls for g in call[1]]
+            if (self.reduce_grad_stats is None and self.grad_stats_fn is None
+                    and any(_is_dtensor(p) for group, _, _ in work for p in group["params"])):
+                # The kernels see local shards: the norm and inf flag would be this rank's, a clip differing per
+                # rank (measured under fully_shard at 2 ranks: 0.338 against the true 0.474).
+                raise RuntimeError(
+                    f"fastops.optim.{type(self).__name__}: max_grad_norm or a GradScaler with DTensor params (FSDP2 "
+                    "shards, TP) needs the global grad norm, but neither reduce_grad_stats nor grad_stats_fn is set, "
+                    "so each rank would clip by its own shard's norm. Use fastops.accelerate, which sets one, or set "
+                    "opt.reduce_grad_stats to a function that all-reduces [sum of squares, max |g|, found_inf] "
+                    "(fastops.accelerate._distributed.all_reduce_stats for FSDP2 alone)"
+                )
             stats = (self.grad_stats_fn or amp.grad_stats)(grads, inv_scale)
             if self.reduce_grad_stats is not None:
                 stats = self.reduce_grad_stats(stats)
@@ -572,6 +613,14 @@ class _Fused:
             for group in by_torch:
                 if group["max_grad_norm"] is not None:
                     torch.nn.utils.clip_grads_with_norm_(group["params"], group["max_grad_norm"], norm)
+            for group in by_torch:
+                # torch's step would find uint8 codes or bf16 moments and compute with them as if they were fp32
+                # (or fail on the dtype): the group's states go to fp32 first; the next fused step converts them
+                # back to the group's state_dtype.
+                for p in group["params"]:
+                    state = self.state.get(p)
+                    if state and "exp_avg" in state and _moment_format(state) != "fp32":
+                        _convert_moments(state, "fp32", p)
             self._torch_step(by_torch)
         return loss
 
