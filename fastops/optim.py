@@ -373,7 +373,7 @@ class _Fused:
         # 8-bit states of DTensor params (FSDP2 shards, TP) are saved decoded to fp32 DTensors with the param's
         # placements: codes are only meaningful with their block's absmax, and the 256-element blocks are cut
         # inside each local shard, so a resharded load would pair codes with another block's absmax. The load
-        # re-encodes them in the loading optimizer's format on its own shards (README_lowp_draft.md, "Sharded").
+        # re-encodes them in the loading optimizer's format on its own shards (README, "8-bit and bf16 Adam states").
         # torch's state_dict shares the per-param dicts with self.state: replaced, not edited.
         params = [p for g in self.param_groups for p in g["params"]]
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
