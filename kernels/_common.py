@@ -32,7 +32,10 @@ _BLOCK_SIZES = {
     "adam": (16384, 1024, 8),
     "sgd": (16384, 1024, 8),
     # Low-precision Adam: 4 elements a thread for every stream (uint8, bf16, fp32), one layout, no conversion.
-    "adam_lowp": (16384, 1024, 8),
+    # Two 256-element quantization blocks a trip over 4 warps: at four over 8 warps the 8-bit specs took up to
+    # 124 registers on sm_90, and two with master weights kept 16 bytes on the stack across the div.rn/sqrt.rn
+    # slow-path calls on sm_100 (STL/LDL in the loop); at two they take at most 72 and none spills.
+    "adam_lowp": (16384, 512, 4),
     "unscale": (16384, 1024, 4),
     "stats": (16384, 1024, 4),
     # The second grad_stats pass is one program over the per-chunk partials.
