@@ -1,6 +1,6 @@
-"""2-rank FSDP2 runs for tests/test_lowp_dist.py: ``tests/lowp_worker.py OUT CKPT``, once per rank, with the
-environment torchrun would set (gloo). For each state_dtype: 10 uninterrupted steps, and 5 steps + DCP save +
-load into a fresh sharded model/optimizer + 5 steps. Rank 0 saves ``{fmt: result}`` to OUT; the checkpoints stay
+"""2-rank FSDP2 and TP runs for tests/test_lowp_dist.py: ``tests/lowp_worker.py OUT CKPT``, once per rank, with
+the environment torchrun would set (gloo). For each state_dtype under FSDP2: 10 uninterrupted steps, and 5 steps
++ DCP save + load into a fresh sharded model/optimizer + 5 steps; under TP (colwise, then rowwise): 10 steps. Rank 0 saves ``{fmt: result}`` to OUT; the checkpoints stay
 under CKPT/<fmt> for the one-process load in the test.
 
 Weights of 100 x 50 (over MIN_8BIT_NUMEL = 4096): a shard of 50 rows holds 2500 elements, not a multiple of the 256-element blocks, so the
@@ -74,6 +74,23 @@ def sharded(fmt: str):
     return model, opt
 
 
+def tensor_parallel(fmt: str):
+    """As fastops.accelerate(strategy="tp") builds it: the first layer split by rows (colwise), the second by
+    columns (rowwise), every rank on the whole batch, the clip norm over the mesh with each shard counted once."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from fastops._parallel import global_grad_stats
+
+    import torch.distributed as dist
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    model = parallelize_module(net(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = optimizer(model, fmt)
+    global_grad_stats(opt, mesh)
+    return model, opt
+
+
 def main() -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -99,6 +116,11 @@ def main() -> None:
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         resumed, _ = train(model, opt, range(SAVE_AT, STEPS), rank, world)
         results[fmt] = {"full": full, "norms": norms, "resumed": first + resumed, "saved_dtypes": dtypes}
+    for fmt in FORMATS:
+        model, opt = tensor_parallel(fmt)
+        full, norms = train(model, opt, range(STEPS))
+        kinds = {str(opt.state[p]["exp_avg"].dtype) for p in model.parameters()}
+        results["tp-" + fmt] = {"full": full, "norms": norms, "state_dtypes": kinds}
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()

@@ -1,5 +1,5 @@
-"""bf16 and 8-bit Adam states under FSDP2 at 2 ranks (gloo, CPU), and their DCP checkpoints: saved at 2 ranks,
-loaded at 2 ranks and in one process. The ranks run tests/lowp_worker.py."""
+"""bf16 and 8-bit Adam states under FSDP2 and under TP at 2 ranks (gloo, CPU), and their DCP checkpoints (FSDP2):
+saved at 2 ranks, loaded at 2 ranks and in one process. The ranks run tests/lowp_worker.py."""
 
 from __future__ import annotations
 
@@ -57,6 +57,29 @@ def test_lowp_states_train_under_fsdp2(two_ranks, fmt):
     # What DCP saves: bf16 states as bf16 DTensors, 8-bit ones decoded to fp32 DTensors (reshardable).
     want = "torch.bfloat16DTensor" if fmt == "bf16" else "torch.float32DTensor"
     assert set(r["saved_dtypes"].values()) == {want}
+
+
+def test_fp32_states_under_tp_match_one_process(two_ranks):
+    res, _ = two_ranks
+    model = W.net()
+    losses, norms = W.train(model, W.optimizer(model, "fp32"), range(W.STEPS))
+    torch.testing.assert_close(res["tp-fp32"]["full"], losses, rtol=PROCESS_RTOL, atol=0)
+    torch.testing.assert_close(res["tp-fp32"]["norms"], norms, rtol=PROCESS_RTOL, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "8bit"])
+def test_lowp_states_train_under_tp(two_ranks, fmt):
+    """8-bit states on TP shards (torchtitan#742: 8-bit AdamW diverging under TP): each rank quantizes the blocks
+    of its own shard (2500 elements, so not the one-process blocks), and the run follows fp32 states as closely
+    as under FSDP2."""
+    res, _ = two_ranks
+    r, ref = res["tp-" + fmt], res["tp-fp32"]
+    want = "torch.bfloat16" if fmt == "bf16" else "torch.uint8"
+    assert want in r["state_dtypes"]  # the weights' shards hold the format (the biases may stay fp32)
+    assert all(math.isfinite(x) for x in r["full"])
+    assert r["full"] != ref["full"]
+    torch.testing.assert_close(r["full"], ref["full"], rtol=LOWP_RTOL[fmt], atol=0)
+    torch.testing.assert_close(r["norms"], ref["norms"], rtol=LOWP_RTOL[fmt], atol=0)
 
 
 def test_dcp_resume_at_two_ranks(two_ranks):
