@@ -36,13 +36,14 @@ def two_ranks(tmp_path_factory):
     return torch.load(out), ckpt
 
 
-def test_fp32_states_match_one_process(two_ranks):
+@pytest.mark.parametrize("run", ["fp32", "tp-fp32"])
+def test_fp32_states_match_one_process(two_ranks, run):
     res, _ = two_ranks
     model = W.net()
     losses, norms = W.train(model, W.optimizer(model, "fp32"), range(W.STEPS))
-    torch.testing.assert_close(res["fp32"]["full"], losses, rtol=PROCESS_RTOL, atol=0)
-    # The clip norm is the global one (over both shards), not a shard's.
-    torch.testing.assert_close(res["fp32"]["norms"], norms, rtol=PROCESS_RTOL, atol=0)
+    torch.testing.assert_close(res[run]["full"], losses, rtol=PROCESS_RTOL, atol=0)
+    # The clip norm is the global one (over both shards, each TP shard once), not a shard's.
+    torch.testing.assert_close(res[run]["norms"], norms, rtol=PROCESS_RTOL, atol=0)
     assert norms[0] > W.CLIP  # the clip is active
 
 
@@ -57,14 +58,6 @@ def test_lowp_states_train_under_fsdp2(two_ranks, fmt):
     # What DCP saves: bf16 states as bf16 DTensors, 8-bit ones decoded to fp32 DTensors (reshardable).
     want = "torch.bfloat16DTensor" if fmt == "bf16" else "torch.float32DTensor"
     assert set(r["saved_dtypes"].values()) == {want}
-
-
-def test_fp32_states_under_tp_match_one_process(two_ranks):
-    res, _ = two_ranks
-    model = W.net()
-    losses, norms = W.train(model, W.optimizer(model, "fp32"), range(W.STEPS))
-    torch.testing.assert_close(res["tp-fp32"]["full"], losses, rtol=PROCESS_RTOL, atol=0)
-    torch.testing.assert_close(res["tp-fp32"]["norms"], norms, rtol=PROCESS_RTOL, atol=0)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "8bit"])
