@@ -53,9 +53,10 @@ def _one_process_quiet():
         yield
 
 
-def _on_rank0(fn) -> None:
+def on_rank0(fn, what: str) -> None:
     """Runs ``fn`` on rank 0; an error there is raised on every rank (the others would otherwise wait in the
-    next collective for a rank that has left). Also the barrier after ``fn``."""
+    next collective for a rank that has left): as itself on rank 0, as ``RuntimeError("<what> (rank 0: ...)")``
+    on the others. Also the barrier after ``fn``."""
     error = None
     if _rank() == 0:
         try:
@@ -70,7 +71,7 @@ def _on_rank0(fn) -> None:
         if error is not None:
             raise error
         if status[0] is not None:
-            raise RuntimeError(f"fastops checkpoint: rank 0 failed: {status[0]}")
+            raise RuntimeError(f"{what} (rank 0: {status[0]})")
 
 
 def _write(obj, path: str) -> None:
@@ -119,7 +120,8 @@ def save(path: str, model, optimizer=None, extra: dict | None = None, full: bool
     state["extra"] = dict(extra or {})
     state["rng"] = {str(_rank()): torch.get_rng_state()}  # one key per rank: each rank's dropout draws resume
     tmp, old = path + ".tmp", path + ".old"
-    _on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True))  # a save killed earlier
+    failed = f"fastops checkpoint: {path} was not saved"
+    on_rank0(lambda: shutil.rmtree(tmp, ignore_errors=True), failed)  # a save killed earlier
     with _one_process_quiet():
         dcp.save(state, checkpoint_id=tmp, no_dist=not _dist())  # ends with a collective: every rank's shards are written
 
@@ -132,7 +134,7 @@ def save(path: str, model, optimizer=None, extra: dict | None = None, full: bool
         os.rename(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
 
-    _on_rank0(publish)
+    on_rank0(publish, failed)
 
 
 def _save_full(path: str, model, optimizer, extra, meta=None) -> None:
@@ -160,7 +162,7 @@ def _save_full(path: str, model, optimizer, extra, meta=None) -> None:
         _write(state, tmp)
         os.replace(tmp, path)
 
-    _on_rank0(write)
+    on_rank0(write, f"fastops checkpoint: {path} was not saved")
 
 
 def load(path: str, model, optimizer=None, rng: bool = True) -> dict:

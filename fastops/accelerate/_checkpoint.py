@@ -80,18 +80,26 @@ def _load_sharded(acc: "Accelerator", path: str) -> None:
         _check_small(acc, meta, path)
     with acc._step_state.raw_calls():
         extra = _dcp.load(path, acc.model, acc.optimizer, rng=meta is None)
-    acc.step, acc.micro_step = int(extra["step"]), int(extra["micro_step"])
-    for ld, epoch in zip(acc.loaders, extra["loader_epochs"].tolist()):
-        ld.set_epoch(epoch)
+    own = None if meta is None else _own_rng(acc, meta["rng"], path, stacklevel=4)
+    _restore(acc, int(extra["step"]), int(extra["micro_step"]), extra["loader_epochs"].tolist(), meta, own)
+
+
+def _restore(acc: "Accelerator", step: int, micro_step: int, epochs, small: dict[str, Any] | None, rng) -> None:
+    """What a load sets after the model and optimizer, in both formats: the counters, the loaders' epochs and,
+    when the checkpoint has them (``small``, ``rng``: not in sharded ones saved before they held them), the
+    scaler, the schedulers and this rank's RNG states."""
+    if small is not None:
+        if acc.scaler is not None:
+            acc.scaler.load_state_dict(small["scaler"])
+        for sched, sd in zip(acc.schedulers, small["schedulers"]):
+            sched.scheduler.load_state_dict(sd)
+    for loader, epoch in zip(acc.loaders, epochs):
+        loader.set_epoch(epoch)
+    acc.step, acc.micro_step = step, micro_step
     acc._step_state.last_step_real = acc.micro_step % acc.accumulate == 0
     acc._step_state.grads_scaled = False
-    if meta is None:
-        return
-    if acc.scaler is not None:
-        acc.scaler.load_state_dict(meta["scaler"])
-    for sched, sd in zip(acc.schedulers, meta["schedulers"]):
-        sched.scheduler.load_state_dict(sd)
-    _set_rng_state(_own_rng(acc, meta["rng"], path, stacklevel=4))
+    if rng is not None:
+        _set_rng_state(rng)
 
 
 def _own_rng(acc: "Accelerator", rngs: list[dict[str, Any]], path: str, stacklevel: int) -> dict[str, Any]:
@@ -118,26 +126,11 @@ def save(acc: "Accelerator", path: str, full: bool = False) -> None:
         return _save_sharded(acc, path, full)
     if full:
         raise ValueError("fastops.Accelerator.save: full=True is for sharded strategies; this checkpoint is one file")
-    collective = acc.distributed and acc.world_size > 1
+    from .. import _dcp
+
     rngs = _rngs(acc)
-    error = None
-    try:
-        state = _state(acc, rngs) if acc.is_main else None
-        if acc.is_main:
-            _write_atomic(state, path)
-    except BaseException as e:  # noqa: BLE001 - reported to every rank below, then re-raised
-        if not collective:
-            raise
-        error = e
-    if collective:
-        # Also the barrier that keeps every rank in save until the file is in place.
-        statuses = [None] * acc.world_size
-        dist.all_gather_object(statuses, None if error is None else f"{type(error).__name__}: {error}")
-        failed = [f"rank {r}: {s}" for r, s in enumerate(statuses) if s is not None]
-        if error is not None:
-            raise error
-        if failed:
-            raise RuntimeError(f"fastops.Accelerator.save: {path} was not saved ({'; '.join(failed)})")
+    # Also the barrier that keeps every rank in save until the file is in place.
+    _dcp.on_rank0(lambda: _write_atomic(_state(acc, rngs), path), f"fastops.Accelerator.save: {path} was not saved")
 
 
 def load(acc: "Accelerator", path: str) -> None:
@@ -175,16 +168,7 @@ def load(acc: "Accelerator", path: str) -> None:
         model.load_state_dict(ckpt["model"])
         if acc.optimizer is not None:
             acc.optimizer.load_state_dict(ckpt["optimizer"])
-    if acc.scaler is not None:
-        acc.scaler.load_state_dict(ckpt["scaler"])
-    for sched, sd in zip(acc.schedulers, ckpt["schedulers"]):
-        sched.scheduler.load_state_dict(sd)
-    for loader, epoch in zip(acc.loaders, ckpt["loader_epochs"]):
-        loader.set_epoch(epoch)
-    acc.step, acc.micro_step = ckpt["step"], ckpt["micro_step"]
-    acc._step_state.last_step_real = acc.micro_step % acc.accumulate == 0
-    acc._step_state.grads_scaled = False
-    _set_rng_state(own)
+    _restore(acc, ckpt["step"], ckpt["micro_step"], ckpt["loader_epochs"], ckpt, own)
 
 
 def _check(acc: "Accelerator", ckpt: Any, path: str) -> None:
