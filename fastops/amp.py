@@ -20,6 +20,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
+from torch.optim import optimizer as _torch_optimizer
 from typing_extensions import deprecated
 
 from . import _backend, _ops
@@ -30,7 +31,7 @@ from ._checks import is_dense
 def _torch_original(module: str, name: str):
     # Read once, when this module is first imported (before fastops.patch() can run). If it is re-imported
     # while patched, the attribute is fastops' own: take the original that patch() recorded instead.
-    saved = getattr(sys.modules.get("fastops"), "_originals", {}).get((module, name))
+    saved = getattr(sys.modules.get("fastops._patch"), "_originals", {}).get((module, name))
     return saved if saved is not None else getattr(importlib.import_module(module), name)
 
 
@@ -169,6 +170,30 @@ def _is_fastops_optimizer(optimizer) -> bool:
     return getattr(optimizer, "_fastops_amp", False)
 
 
+def _step_is_watched(optimizer) -> bool:
+    """Whether code outside fastops may count the calls of ``optimizer.step``: a ``step`` replaced on the instance
+    (HF Accelerate's AcceleratedOptimizer does, to flag a skipped fp16 step by the call not happening, and HF's
+    Trainer holds its LR schedule on that flag), or step hooks (they run on every call). torch's LR scheduler
+    wrapper, fastops.accelerate's step and SkipAwareScheduler's hook are not counted: they know fastops' rule."""
+    step = optimizer.__dict__.get("step")
+    if step is not None and not getattr(step, "_wrapped_by_lr_sched", False):
+        return True
+    tables = (getattr(optimizer, "_optimizer_step_pre_hooks", {}), getattr(optimizer, "_optimizer_step_post_hooks", {}),
+              _torch_optimizer._global_optimizer_pre_hooks, _torch_optimizer._global_optimizer_post_hooks)
+    return any(not getattr(hook, "_fastops_hook", False) for table in tables for hook in table.values())
+
+
+def _hands_over(optimizer) -> bool:
+    """Whether fastops' GradScaler hands ``optimizer`` the scale and calls its step on every iteration, the step
+    skipping itself on the device (no host sync). torch's scaler does that for optimizers with
+    ``_step_supports_amp_scaling`` (fused=True) and calls any other's step only when no inf/nan was found, after a
+    host read. fastops keeps the sync-free hand-over for its optimizers unless something watches the step calls,
+    which then see torch's rule."""
+    if not _is_fastops_optimizer(optimizer):
+        return False
+    return getattr(optimizer, "_step_supports_amp_scaling", False) or not _step_is_watched(optimizer)
+
+
 class GradScaler(_TorchGradScaler):
     """torch.amp.GradScaler, same constructor, methods and state_dict, on fastops' fused kernels.
 
@@ -176,8 +201,10 @@ class GradScaler(_TorchGradScaler):
       kernel does not take (float64, complex, sparse, strided with gaps, DTensor, other devices) go to
       ``torch._amp_foreach_non_finite_check_and_unscale_`` per (device, dtype), sharing the same found_inf.
     - ``step`` with a fastops optimizer never syncs with the host: it hands the scale to the optimizer,
-      which checks for inf/nan in the same read that gives the grad norm and skips itself on device.
-      With any other optimizer it behaves exactly like torch's (which reads ``found_inf`` on the host).
+      which checks for inf/nan in the same read that gives the grad norm and skips itself on device. When
+      something counts the step calls (HF Accelerate and Trainer do, see ``_step_is_watched``) and the optimizer
+      is not ``fused=True``, it keeps torch's rule instead: unscale, read ``found_inf`` on the host, and call
+      ``step()`` only when nothing was found. With any other optimizer it behaves exactly like torch's.
     - ``update`` is torch's, already on device, so the scale trajectory is torch's to the bit.
     """
 
@@ -186,11 +213,18 @@ class GradScaler(_TorchGradScaler):
         return unscale_grads_(params, inv_scale, found_inf, allow_fp16)
 
     def step(self, optimizer, *args, **kwargs):
-        if not (self._enabled and _is_fastops_optimizer(optimizer)):
+        if not (self._enabled and _hands_over(optimizer)):
             retval = super().step(optimizer, *args, **kwargs)
             if self._enabled:
                 found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
-                optimizer.step_was_skipped = sum(t.to(self._scale.device) for t in found) != 0
+                skipped = sum(t.to(self._scale.device) for t in found) != 0
+                if _is_fastops_optimizer(optimizer):
+                    # torch's step read found_inf on the host already; a step it did not call wrote no flags.
+                    optimizer.step_was_skipped.copy_(skipped)
+                    if skipped:
+                        optimizer.last_grad_norm.fill_(float("nan"))
+                else:
+                    optimizer.step_was_skipped = skipped
             return retval
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
@@ -305,6 +339,8 @@ class SkipAwareScheduler:
         else:
             found = getattr(optimizer, "found_inf", None)
             self._last_skip = False if found is None else found
+
+    _record_step._fastops_hook = True  # see _step_is_watched
 
     def step(self, *args, **kwargs):
         skip, self._last_skip = self._last_skip, None

@@ -278,8 +278,11 @@ class _Fused:
     hand-off, skip flag, torch fallback). A subclass names its torch class (its last base) and defines
     ``_check_group`` (per-step hyperparameters), ``_group_calls`` (the op's tensor lists) and ``_launch``."""
 
-    _step_supports_amp_scaling = True
-    _fastops_amp = True  # fastops.amp.GradScaler hands this optimizer the scale instead of unscaling first
+    # fastops.amp.GradScaler hands this optimizer the scale instead of unscaling first. _step_supports_amp_scaling,
+    # which torch's GradScaler and Lightning read, is torch's own: set by torch's constructor on fused=True
+    # instances only (Lightning refuses to clip for optimizers that have it, and torch's scaler then calls step()
+    # on skipped steps too), so a fastops optimizer looks to both exactly like torch's with the same arguments.
+    _fastops_amp = True
     _nonnegative: tuple[tuple[str, str], ...] = ()  # (group key, torch's constructor's name for it)
     # Set per instance by fastops.accelerate when grads are sharded across ranks (FSDP2): maps this rank's
     # grad_stats to the global ones (an all-reduce), so the clip norm and the skip decision agree on all ranks.
@@ -565,7 +568,7 @@ class _Fused:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Set by a GradScaler (torch's or fastops') for optimizers with _step_supports_amp_scaling.
+        # Set by fastops' GradScaler (see amp.GradScaler.step), or torch's for fused=True instances.
         grad_scale = getattr(self, "grad_scale", None)
         # Every group is checked before anything changes: a bad value raises with nothing half-updated.
         hypers = [self._check_group(group, k, read_device=False) for k, group in enumerate(self.param_groups)]

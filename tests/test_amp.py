@@ -48,6 +48,8 @@ OPTIMIZERS = {
     "torch_fused": lambda ps, max_norm: torch.optim.AdamW(ps, lr=1e-2, fused=True),
     "fastops": lambda ps, max_norm: fastops.optim.AdamW(ps, lr=1e-2),
     "fastops_folded": lambda ps, max_norm: fastops.optim.AdamW(ps, lr=1e-2, max_grad_norm=max_norm),
+    # fused=True: torch's scaler hands the scale over to it, as to torch's fused AdamW (see test_torch_scaler_*).
+    "fastops_folded_fused": lambda ps, max_norm: fastops.optim.AdamW(ps, lr=1e-2, max_grad_norm=max_norm, fused=True),
 }
 
 
@@ -100,7 +102,7 @@ def _assert_params_close(model, want_model):
 PAIRINGS = [
     (s, o, r)
     for s, o, r in itertools.product(SCALERS, OPTIMIZERS, ["plain", "unscale_clip", "folded", "unscale_folded"])
-    if (r in ("folded", "unscale_folded")) == (o == "fastops_folded")
+    if (r in ("folded", "unscale_folded")) == o.startswith("fastops_folded")
 ]
 
 
@@ -126,7 +128,9 @@ def test_folded_clip_matches_torch_recipe_when_clipping_and_not(cpu_backend, sca
 
     want_model, _, want_scales, _, want_norms = _train(scaler_name and "torch", "torch", "unscale_clip", steps=32,
                                                        max_norm=MID_NORM)  # fmt: skip
-    model, opt, scales, _, norms = _train(scaler_name, "fastops_folded", "folded", steps=32, max_norm=MID_NORM,
+    # torch's scaler hands the scale to fused=True optimizers only; to others it unscales the grads in place first.
+    folded = "fastops_folded_fused" if scaler_name == "torch" else "fastops_folded"
+    model, opt, scales, _, norms = _train(scaler_name, folded, "folded", steps=32, max_norm=MID_NORM,
                                           check=keep_grads)  # fmt: skip
     assert scales == want_scales
     finite = [i for i, n in enumerate(want_norms) if torch.isfinite(n)]
@@ -465,7 +469,8 @@ def test_low_precision_params_with_master_weights(cpu_backend, dtype, scaler_nam
     inputs and differ only in the fused kernel's operation order: the fp32 parity tolerance. The param must be its
     master rounded, bit for bit. init_scale=2**16 makes fp16 grads overflow for real in the first steps."""
     model = _model(dtype=dtype)
-    opt = fastops.optim.AdamW(model.parameters(), lr=1e-2, master_weights=True)
+    # torch's scaler unscales fp16 grads only for optimizers it hands the scale to (fused=True), as for torch's.
+    opt = fastops.optim.AdamW(model.parameters(), lr=1e-2, master_weights=True, fused=scaler_name == "torch")
     ref = [torch.nn.Parameter(p.detach().float()) for p in model.parameters()]
     ref_opt = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
     scaler, ref_scaler = SCALERS[scaler_name](2.0**16), SCALERS["torch"](2.0**16)
@@ -592,7 +597,8 @@ def no_host_reads():
 def test_scalers_with_a_fastops_optimizer_never_read_values_on_the_host(scaler_name, unscale_first):
     # Catches reads made in Python (the default cpp backend reads nothing in Python); kernels are checked on CUDA.
     model = _model()
-    opt = fastops.optim.AdamW(model.parameters(), lr=1e-2, max_grad_norm=MAX_NORM)
+    # fused=True: torch's scaler hands the scale over instead of reading found_inf (its rule for fused optimizers).
+    opt = fastops.optim.AdamW(model.parameters(), lr=1e-2, max_grad_norm=MAX_NORM, fused=scaler_name == "torch")
     scaler = SCALERS[scaler_name]()
     loss = _loss(model, 0)
     with no_host_reads():
@@ -614,7 +620,7 @@ def test_user_grad_scale_on_the_optimizer_is_torchs(cpu_backend, unscale_first):
     # eps=0.1, near sqrt(v) of these grads: Adam's update then depends on the grads' magnitude, so a grad_scale
     # that is ignored (or applied twice) shows in the params instead of cancelling in m / sqrt(v).
     optimizers = {"torch_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=0.1, fused=True),
-                  "fastops": lambda ps: fastops.optim.AdamW(ps, lr=1e-2, eps=0.1)}  # fmt: skip
+                  "fastops": lambda ps: fastops.optim.AdamW(ps, lr=1e-2, eps=0.1, fused=True)}  # fmt: skip
 
     def run(scaler_name, opt_name, user_scale):
         model = _model()
@@ -725,3 +731,93 @@ def test_patched_deprecated_scalers_train_as_torchs():
         for a, b in zip(params, want_params):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
     assert want[0][2][3] == INIT_SCALE / 2 and want[1][2] == [1.0] * 8
+
+
+# ---- torch's contracts that frameworks read ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fused", [None, False, True])
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "SGD"])
+def test_step_supports_amp_scaling_is_torchs(name, fused):
+    """torch sets _step_supports_amp_scaling on fused=True instances only; Lightning refuses to clip for optimizers
+    that have it, and torch's scaler then calls their step on skipped steps too. fastops' optimizers, and torch's
+    converted by fuse_, have it exactly when torch's would."""
+    params = [torch.nn.Parameter(torch.ones(3))]
+    want = getattr(torch.optim, name)(params, lr=0.1, fused=fused)
+    got = getattr(fastops.optim, name)(params, lr=0.1, fused=fused)
+    converted = getattr(torch.optim, name)(params, lr=0.1, fused=fused)
+    assert fastops.optim.fuse_(converted)
+    flag = getattr(want, "_step_supports_amp_scaling", False)
+    assert flag == bool(fused)
+    assert getattr(got, "_step_supports_amp_scaling", False) == flag
+    assert getattr(converted, "_step_supports_amp_scaling", False) == flag
+
+
+def _watch_by_replacing_step(opt, calls):
+    """What HF Accelerate's AcceleratedOptimizer does around scaler.step: the instance's step replaced by one that
+    records the call."""
+    original = opt.step
+
+    def step(*args, **kwargs):
+        calls.append(True)
+        return original(*args, **kwargs)
+
+    opt.step = step
+
+
+def _watch_by_hook(opt, calls):
+    opt.register_step_post_hook(lambda *args: calls.append(True))
+
+
+@pytest.mark.parametrize("watch", [_watch_by_replacing_step, _watch_by_hook])
+@pytest.mark.parametrize("fused", [False, True])
+def test_watched_steps_follow_torchs_call_rule(watch, fused):
+    """When something counts optimizer.step calls, fastops' scaler keeps torch's rule: a non-fused optimizer's step
+    is called only on steps without inf/nan (one host read, as torch's scaler makes), a fused one's on every step.
+    The skip flag, norm and params are what the hand-over path gives."""
+    results = {}
+    for watched in (False, True):
+        model = _model()
+        opt = fastops.optim.AdamW(model.parameters(), lr=1e-2, max_grad_norm=MAX_NORM, fused=fused)
+        calls = []
+        if watched:
+            watch(opt, calls)
+        scaler = SCALERS["fastops"]()
+        flags, finite = [], []
+        for step in range(8):
+            opt.zero_grad()
+            scaler.scale(_loss(model, step)).backward()
+            if step in POISON:
+                model[0].weight.grad[1, 2] = POISON[step]
+            scaler.step(opt)
+            scaler.update()
+            flags.append((bool(opt.step_was_skipped), scaler.get_scale()))
+            finite.append(bool(opt.last_grad_norm.isfinite()))
+        results[watched] = (flags, [p.detach().clone() for p in model.parameters()], len(calls), finite)
+    flags, params, n_calls, finite = results[True]
+    assert flags == results[False][0]
+    skipped = sum(f[0] for f in flags)
+    assert skipped == sum(1 for s in POISON if s < 8) > 0
+    # A real step's norm is finite either way. A skipped one: the hand-over's step read the inf grads (inf); a
+    # watched non-fused step was not called and computed no norm (nan, never an earlier step's value).
+    assert finite == results[False][3] == [not f[0] for f in flags]
+    assert n_calls == (8 if fused else 8 - skipped)
+    for a, b in zip(params, results[False][1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # unscale then step vs divide in the step
+
+
+def test_lr_scheduler_and_fastops_wrappers_do_not_count_as_watching():
+    """torch's LR scheduler wraps the instance's step too, and SkipAwareScheduler adds a hook: neither counts the
+    calls the way Accelerate does, so the hand-over stays free of host reads."""
+    model = _model()
+    opt = fastops.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = famp.SkipAwareScheduler(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
+    assert "step" in opt.__dict__ and not famp._step_is_watched(opt)
+    scaler = SCALERS["fastops"]()
+    scaler.scale(_loss(model, 0)).backward()
+    with no_host_reads():
+        scaler.step(opt)
+        scaler.update()
+    sched.step()
+    opt.register_step_pre_hook(lambda *args: None)
+    assert famp._step_is_watched(opt)

@@ -208,3 +208,53 @@ def test_subclass_of_a_fastops_optimizer_falls_back_to_torchs_step():
         opt.step()
         ref.step()
     assert torch.equal(p, q) and opt.state[p]["momentum_buffer"].dtype == torch.float64
+
+
+def test_patch_reaches_classes_imported_before_it():
+    """``from torch.optim import AdamW`` and timm's optimizer table (built when timm is imported) hold torch's
+    classes from before patch(); what they build afterwards is fastops' all the same, and torch's again after
+    unpatch(). A user's subclass of torch's class stays as it is (as fuse_ leaves it)."""
+    import timm.optim
+    from torch.amp import GradScaler
+    from torch.optim import SGD, Adam, AdamW
+
+    class Mine(AdamW):
+        pass
+
+    model = torch.nn.Linear(3, 2)
+    made = {AdamW: fastops.optim.AdamW, Adam: fastops.optim.Adam, SGD: fastops.optim.SGD}
+    for _ in range(2):  # a second patch/unpatch round works as the first
+        with fastops.patched():
+            for torch_cls, fastops_cls in made.items():
+                assert type(torch_cls(model.parameters(), lr=0.1)) is fastops_cls
+            assert type(GradScaler("cpu", init_scale=4.0)) is fastops.amp.GradScaler
+            assert type(timm.optim.create_optimizer_v2(model, "adamw", lr=1e-3)) is fastops.optim.AdamW
+            assert type(timm.optim.create_optimizer_v2(model, "sgd", lr=1e-3, momentum=0.9)) is fastops.optim.SGD
+            assert type(Mine(model.parameters())) is Mine
+        for torch_cls in made:
+            assert type(torch_cls(model.parameters(), lr=0.1)) is torch_cls
+        scaler = GradScaler("cpu", init_scale=4.0)
+        assert type(scaler) is GradScaler and scaler.get_scale() == 4.0
+    assert type(fastops.optim.AdamW(model.parameters(), lr=0.1)) is fastops.optim.AdamW
+
+
+def test_patch_names_the_function_references_it_cannot_reach(monkeypatch):
+    """A module that did ``from torch.nn.utils import clip_grad_norm_`` before patch() keeps calling torch's:
+    patch() says which."""
+    import sys
+    import types
+
+    script = types.ModuleType("train_script")
+    script.clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+    script.other = torch.nn.utils.clip_grad_value_
+    monkeypatch.setitem(sys.modules, "train_script", script)
+    with pytest.warns(RuntimeWarning, match=r"train_script\.clip_grad_norm_ \(torch\.nn\.utils\.clip_grad_norm_\)"):
+        with fastops.patched():
+            assert torch.nn.utils.clip_grad_norm_ is fastops.amp.clip_grad_norm_
+    monkeypatch.delitem(sys.modules, "train_script")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with fastops.patched():
+            pass
