@@ -56,9 +56,9 @@ def data():
     return torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g)
 
 
-def make(opt_kind: str):
+def make(opt_kind: str, dtype=torch.float32):
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(dtype)
     if opt_kind == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -79,11 +79,12 @@ def global_batches(sc):
     return out
 
 
-def reference(name: str):
-    """Plain torch in one process: losses per global batch and the final parameters."""
+def reference(name: str, dtype=torch.float32):
+    """Plain torch in one process: losses per global batch and the final parameters. ``dtype=torch.float64``: the
+    exact answer of tests/rounding.py."""
     sc = SCENARIOS[name]
-    x, y = data()
-    model, opt = make(sc["opt"])
+    x, y = (t.to(dtype) for t in data())
+    model, opt = make(sc["opt"], dtype)
     batches = global_batches(sc)
     k = sc["accumulate"]
     losses = []
@@ -275,17 +276,26 @@ def _checkpoint_checks(strategy: str, directory: str) -> dict[str, bool]:
 SHARDED_EPOCHS = 2  # saved after the first
 
 
-def sharded_setup(strategy: str, precision: str, batch_size: int = PER_RANK_BATCH):
+def sharded_setup(strategy: str, precision: str, batch_size: int = PER_RANK_BATCH, dtype=torch.float32):
     """Model, fused AdamW with clipping, a StepLR that decays inside the first epoch, an unshuffled loader."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from fastops.accelerate import Accelerator
 
-    model, opt = make("adamw")
+    model, opt = make("adamw", dtype)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-    loader = DataLoader(TensorDataset(*data()), batch_size=batch_size)
+    loader = DataLoader(TensorDataset(*(t.to(dtype) for t in data())), batch_size=batch_size)
     acc = Accelerator(strategy=strategy, precision=precision, grad_clip=0.05)
     return (acc, *acc.prepare(model, opt, sched, loader))
+
+
+def sharded_reference(dtype) -> list[float]:
+    """The uninterrupted fp32 run of the sharded-checkpoint scenario in one process (global batches: both ranks'
+    halves side by side), in ``dtype`` (float64: the exact answer of tests/rounding.py)."""
+    acc, model, opt, sched, _ = sharded_setup("none", "fp32", dtype=dtype)
+    x, y = (t.to(dtype) for t in data())
+    batches = [(x[i], y[i]) for i in global_batches(dict(epochs=SHARDED_EPOCHS, shuffle=False))]
+    return sharded_epoch(model, opt, sched, batches)
 
 
 def sharded_epoch(model, opt, sched, batches) -> list[float]:

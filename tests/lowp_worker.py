@@ -40,8 +40,9 @@ def optimizer(model: nn.Module, fmt: str):
 def train(model, opt, steps, rank: int = 0, world: int = 1) -> tuple[list[float], list[float]]:
     """Losses (of the global batch) and the optimizer's grad norms; each rank takes its slice of the batch."""
     losses, norms = [], []
+    dtype = next(model.parameters()).dtype  # float64: the exact answer of tests/rounding.py
     for s in steps:
-        x, y = batch(s)
+        x, y = (t.to(dtype) for t in batch(s))
         n = x.shape[0] // world
         x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
         opt.zero_grad()

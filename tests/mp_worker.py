@@ -106,19 +106,26 @@ def record_norms(opt, norms: list):
     opt.grad_stats_fn = fn
 
 
-def reference(kind: str, steps: int = STEPS, start=None):
+def reference(kind: str, steps: int = STEPS, start=None, dtype=torch.float32):
     """One process, the same model and fused optimizer: (losses, clip norms). ``start``: a state to resume from
-    (model, optimizer) loaded by the caller, as a callable taking (model, opt) and returning the first step."""
-    model = {"llama": llama, "net": Net, "seq": seq}[kind]()
+    (model, optimizer) loaded by the caller, as a callable taking (model, opt) and returning the first step.
+    ``dtype=torch.float64``: the same run in float64, the exact answer of tests/rounding.py (fastops' AdamW runs
+    torch's step and clip for float64 params, and reports the norm it clipped with in last_grad_norm)."""
+    model = {"llama": llama, "net": Net, "seq": seq}[kind]().to(dtype)
     opt = optimizer(kind, model.parameters())
     first = start(model, opt) if start else 0
     norms, losses = [], []
-    record_norms(opt, norms)
+    if dtype == torch.float32:
+        record_norms(opt, norms)
     for step in range(first, steps):
         x, y = batch(kind, step)
+        if x.is_floating_point():
+            x, y = x.to(dtype), y.to(dtype)
         loss = loss_of(kind, model, x, y)
         loss.backward()
         opt.step()
+        if dtype != torch.float32:
+            norms.append(float(opt.last_grad_norm))
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return losses, norms
@@ -203,14 +210,14 @@ def acc_data():
     return torch.utils.data.TensorDataset(torch.randn(ACC_N, 4, generator=g), torch.randn(ACC_N, 1, generator=g))
 
 
-def acc_reference(kind: str):
+def acc_reference(kind: str, dtype=torch.float32):
     """One process, plain loop, the same global batches (a DistributedSampler without shuffle deals each dp
-    rank every dp-th sample of them)."""
-    model = {"net": Net, "seq": seq}[kind]()
+    rank every dp-th sample of them). ``dtype``: as in reference()."""
+    model = {"net": Net, "seq": seq}[kind]().to(dtype)
     opt = optimizer(kind, model.parameters())
     losses = []
     for x, y in torch.utils.data.DataLoader(acc_data(), batch_size=ACC_GLOBAL_BATCH):
-        loss = F.mse_loss(model(x), y)
+        loss = F.mse_loss(model(x.to(dtype)), y.to(dtype))
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -10,6 +10,7 @@ import torch
 
 import fastops
 from fastops import _backend
+from tests.rounding import norm_rtol
 
 STEPS = 50
 BIG = 10**6 + 7
@@ -500,7 +501,7 @@ def test_last_grad_norm_is_this_steps_or_nan(cpu_backend):
 
     want = feed(0)
     opt.step()
-    torch.testing.assert_close(opt.last_grad_norm, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(opt.last_grad_norm, want, rtol=2 * norm_rtol(sum(p.numel() for p in params)), atol=0)
     opt.param_groups[0]["max_grad_norm"] = None
     feed(1)
     opt.step()
@@ -508,7 +509,7 @@ def test_last_grad_norm_is_this_steps_or_nan(cpu_backend):
     want = feed(2, scale=1024.0)
     opt.grad_scale, opt.found_inf = torch.tensor(1024.0), None  # as fastops.amp.GradScaler hands it over
     opt.step()
-    torch.testing.assert_close(opt.last_grad_norm, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(opt.last_grad_norm, want, rtol=2 * norm_rtol(sum(p.numel() for p in params)), atol=0)
     opt.grad_scale, opt.found_inf = None, torch.tensor(0.0)  # after unscale_: the flag is known, no read
     feed(3)
     opt.step()

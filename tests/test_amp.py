@@ -15,6 +15,7 @@ import torch
 import fastops
 import fastops.amp as famp
 from fastops import _backend
+from tests.rounding import norm_rtol
 
 INIT_SCALE = 2.0**12
 MAX_NORM = 0.5
@@ -189,9 +190,11 @@ def test_clip_grad_norm_parity(cpu_backend, norm_type, max_norm):
     mine, theirs = _params_with_grads(empty=empty), _params_with_grads(empty=empty)
     got = fastops.clip_grad_norm_(mine, max_norm, norm_type)
     want = torch.nn.utils.clip_grad_norm_(theirs, max_norm, norm_type)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
-    for a, b in zip(mine, theirs):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    # Two 2-norms in other summation orders (tests/rounding.py); the inf-norm is a max, exact.
+    rtol = 2 * norm_rtol(sum(p.numel() for p in mine)) if norm_type == 2.0 else 0
+    torch.testing.assert_close(got, want, rtol=rtol, atol=0)
+    for a, b in zip(mine, theirs):  # times coef, which carries the norm's error, and one rounding more
+        torch.testing.assert_close(a.grad, b.grad, rtol=rtol + 2**-23, atol=1e-7)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
@@ -213,7 +216,7 @@ def test_clip_grad_norm_low_precision_grads(cpu_backend):
         exact = torch.cat([p.grad.double().flatten() for p in mine]).norm()
         got = fastops.clip_grad_norm_(mine, 0.1)
         assert got.dtype == torch.float32
-        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=0)
+        torch.testing.assert_close(got.double(), exact, rtol=norm_rtol(sum(p.numel() for p in mine)), atol=0)
 
 
 def _grads_the_kernels_do_not_take(case):

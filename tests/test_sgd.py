@@ -10,6 +10,7 @@ import torch
 import fastops
 from fastops import _backend, optim
 from tests.test_adam import _fresh_dynamo, _grads, _model_params, _run, _torch_keys
+from tests.rounding import norm_rtol
 from tests.test_amp import no_host_reads
 
 STEPS = 30
@@ -257,7 +258,7 @@ def test_folded_clip_matches_clip_grad_norm(cpu_backend):
         opt.step()
         want = torch.nn.utils.clip_grad_norm_(theirs, 5.0)
         ref.step()
-        torch.testing.assert_close(opt.last_grad_norm, want, rtol=1e-6, atol=0)
+        torch.testing.assert_close(opt.last_grad_norm, want, rtol=2 * norm_rtol(sum(p.numel() for p in mine)), atol=0)
     # The kernel divides by 1/coef where torch multiplies by coef: measured max |diff| / (1 + |torch|) 1.1e-7 on the
     # reference after 10 steps of momentum.
     for a, b in zip(mine, theirs):

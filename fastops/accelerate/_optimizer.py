@@ -53,6 +53,11 @@ def prepare_optimizer(acc: "Accelerator", opt: torch.optim.Optimizer) -> torch.o
     elif acc.mesh is not None and (acc.grad_clip is not None or acc.scaler is not None):
         raise ValueError(f"fastops.accelerate: under strategy={acc.strategy!r}, grad_clip and fp16 need an "
                          f"optimizer fastops fuses (torch Adam, AdamW, SGD), not {type(opt).__name__}")
+    if acc.scaler is not None and isinstance(opt, optim._Fused):
+        # Under fp16 the prepared step unscales by itself (fastops' scaler, or a user's that drives it): a torch
+        # GradScaler must hand it the scale rather than unscale the grads first, which this flag tells it (torch
+        # sets it on fused=True optimizers). _step then sees a scaler that did not scale the loss by its grad_scale.
+        opt._step_supports_amp_scaling = True
     opt.step = types.MethodType(_step, opt)
     opt.zero_grad = types.MethodType(_zero_grad, opt)
     opt.accelerator = acc
