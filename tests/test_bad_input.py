@@ -222,20 +222,34 @@ def _lowp_bad_calls():
     }
 
 
+def _on(device, args):
+    if device == "cpu":
+        return args
+    return [[t.to(device) for t in a] if isinstance(a, list) else a.to(device) if isinstance(a, torch.Tensor) else a
+            for a in args]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend,device", [("cpp", "cpu"), ("triton", "cpu"),
+                                            pytest.param("cuda", "cuda", marks=pytest.mark.cuda),
+                                            pytest.param("triton", "cuda", marks=pytest.mark.cuda)])  # fmt: skip
 @pytest.mark.parametrize("case", list(_lowp_bad_calls()))
-def test_lowp_bad_input_fails_alike_in_cpp_and_python(case):
-    """adam_step_lowp_'s C++ checks (csrc/cpu/checks.cpp) say what _checks.check_adam_lowp_args says, word for
-    word, and nothing is written."""
+def test_lowp_bad_input_fails_alike_on_every_backend(case, backend, device):
+    """adam_step_lowp_'s checks say what _checks.check_adam_lowp_args says, word for word, on every backend (the
+    CUDA C++ binding once had weaker checks of its own: a transposed grad reached a kernel that walks memory
+    flat), and nothing is written."""
     from fastops import _backend, reference
     from tests.test_lowp_ops import _bits, _clone
 
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     with pytest.raises(RuntimeError) as ref_err:
         reference.adam_step_lowp_(*_lowp_bad_calls()[case])
-    args = _lowp_bad_calls()[case]
+    args = _on(device, _lowp_bad_calls()[case])
     before = _clone(args)
     with pytest.raises(RuntimeError) as err:
-        _backend.load("cpp", "cpu").adam_step_lowp_(*args)
-    assert str(err.value) == str(ref_err.value) and str(err.value).startswith("fastops")
+        _backend.load(backend, device).adam_step_lowp_(*args)
+    want = str(ref_err.value).replace("cpu", str(torch.empty(0, device=device).device))  # "cuda:0" on a GPU
+    assert str(err.value) == want and str(err.value).startswith("fastops")
     for got, want in zip(args[:8], before[:8]):
         for a, b in zip(got, want):
             assert a.dtype != b.dtype or torch.equal(_bits(a), _bits(b))

@@ -1,7 +1,7 @@
 // The torch side of the CUDA kernels (adam.cu, adam_lowp.cu, sgd.cu, amp.cu): argument checks, the current device and stream,
 // the pointer tables and their cache, and the pybind11 definitions fastops._backend looks up on
 // fastops._C.cuda. Compiled only in CUDA builds (-DWITH_CUDA); the kernels themselves include no torch
-// header, so they compile (and are compile-checked by .ci/nvcc_check.sh) without one.
+// header, so they compile (and are compile-checked by `python -m fastops compile-check`) without one.
 //
 // Nothing here reads a device value on the host: lr, grad_scale, found_inf and inv_scale on the tensors'
 // device are passed to the kernels as pointers, the step counters are bumped by a device op, and a table
@@ -335,52 +335,17 @@ void adam_step_lowp_(const TensorList& params, const TensorList& grads, const Te
                      const TensorList& master_params, const at::Tensor& lr, double beta1, double beta2, double eps,
                      double weight_decay, bool maximize, bool decoupled, int64_t seed,
                      const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  // The per-param checks (states like their params, one absmax per 256 elements) are the C++ CPU backend's
-  // check_adam_lowp_args (branch lowcpp); until it is declared in fastops.h, the conditions the kernel relies on.
-  check_grads(grads, "adam_step_lowp_");
-  const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && state_steps.size() == n &&
-                  (master_params.empty() || master_params.size() == n),
-              "fastops.adam_step_lowp_: expected one grad, exp_avg, exp_avg_sq and state_step (and master param) "
-              "per param");
+  check_adam_lowp_args(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, state_steps,
+                       master_params);
   if (params.empty()) return;
+  const size_t n = params.size();
   const bool eight_bit = exp_avgs[0].scalar_type() == at::kByte;
-  TORCH_CHECK(eight_bit || exp_avgs[0].scalar_type() == at::kBFloat16, "fastops.adam_step_lowp_: exp_avgs[0] has dtype ",
-              exp_avgs[0].scalar_type(), "; expected uint8 (8-bit states) or bfloat16");
-  for (size_t i = 0; i < n; ++i) {
-    for (const TensorList* l : {&exp_avgs, &exp_avg_sqs}) {
-      const at::Tensor& s = (*l)[i];
-      TORCH_CHECK(s.scalar_type() == exp_avgs[0].scalar_type() && s.sizes() == params[i].sizes() &&
-                      s.device() == params[i].device() && (s.numel() <= 1 || s.strides() == params[i].strides()),
-                  "fastops.adam_step_lowp_: the states of params[", i, "] must match it in shape, strides and device "
-                  "and have exp_avgs[0]'s dtype");
-    }
-    TORCH_CHECK(grads[i].sizes() == params[i].sizes() && grads[i].scalar_type() == params[i].scalar_type(),
-                "fastops.adam_step_lowp_: grads[", i, "] must match params[", i, "]");
-    if (!master_params.empty()) {
-      TORCH_CHECK(master_params[i].scalar_type() == at::kFloat && master_params[i].sizes() == params[i].sizes(),
-                  "fastops.adam_step_lowp_: master_params[", i, "] must be float32 like params[", i, "]");
-    }
-    if (eight_bit) {
-      const int64_t blocks = (params[i].numel() + 255) / 256;
-      TORCH_CHECK(exp_avg_absmax.size() == n && exp_avg_sq_absmax.size() == n &&
-                      exp_avg_absmax[i].numel() == blocks && exp_avg_sq_absmax[i].numel() == blocks &&
-                      exp_avg_absmax[i].scalar_type() == at::kFloat && exp_avg_sq_absmax[i].scalar_type() == at::kFloat &&
-                      exp_avg_absmax[i].is_contiguous() && exp_avg_sq_absmax[i].is_contiguous(),
-                  "fastops.adam_step_lowp_: exp_avg_absmax[", i, "] and exp_avg_sq_absmax[", i,
-                  "] must be contiguous float32 tensors of ", blocks, " elements (one per 256 of params[", i, "])");
-    } else {
-      TORCH_CHECK(exp_avg_absmax.empty() && exp_avg_sq_absmax.empty(),
-                  "fastops.adam_step_lowp_: exp_avg_absmax and exp_avg_sq_absmax must be empty with bfloat16 states");
-    }
-  }
   const at::Device device = params[0].device();
   check_on_cuda(params[0], "adam_step_lowp_");
   for (size_t i = 0; i < n; ++i) {
-    TORCH_CHECK(params[i].device() == device && state_steps[i].device() == device &&
-                    state_steps[i].scalar_type() == at::kFloat && state_steps[i].numel() == 1,
-                "fastops.adam_step_lowp_: params[", i, "] and state_steps[", i, "] must be on ", device.str(),
-                " (state_steps float32 with one element; the kernel reads each step through a pointer)");
+    TORCH_CHECK(state_steps[i].device() == device, "fastops.adam_step_lowp_: state_steps[", i, "] is on ",
+                state_steps[i].device().str(), " but params[0] is on ", device.str(),
+                "; the kernel reads each step through a pointer");
   }
   const c10::cuda::CUDAGuard guard(device);
   const LaunchContext ctx = launch_context();
