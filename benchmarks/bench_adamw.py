@@ -16,8 +16,8 @@ Providers are interleaved round by round so drift on a noisy machine hits them a
     python benchmarks/bench_adamw.py --sizes 16 64 --rounds 3 --out scratch_adamw   # a short trial run
     python benchmarks/bench_adamw.py --lowp --sizes 4 16   # 8-bit and bf16 states against torch, torchao, bnb
 
---lowp compares, on the same params: torch fused=True (fp32 states), fastops fp32, fastops with bf16 and 8-bit
-states (the adam_step_lowp_ op), torchao's and bitsandbytes' AdamW8bit where they import. Each provider's GB/s
+--lowp compares, on the same params: torch fused=True (fp32 states), fastops.optim.AdamW with fp32, bf16 and 8-bit
+states (state_dtype=, as users call it), torchao's and bitsandbytes' AdamW8bit where they import. Each provider's GB/s
 and roofline share count its own bytes (fp32 p and g: 28 fp32 states, 20 bf16, 16 + 1/32 8-bit; params under
 4096 elements keep fp32 states under every 8-bit provider, as bnb and torchao do), and each row gives the
 optimizer state held per param.
@@ -66,49 +66,6 @@ ADAMW = Spec(
 )
 
 
-class LowpAdamW:
-    """AdamW on fastops' adam_step_lowp_ (8-bit or bf16 states), called on the op directly: the optimizer's
-    ``state_dtype=`` is another branch's. Params under _quant.MIN_8BIT_NUMEL keep fp32 states (adam_step_) under
-    "8bit", as the optimizer will."""
-
-    def __init__(self, params, lr=1e-3, weight_decay=1e-2, state_dtype="8bit"):
-        from fastops import _quant
-
-        self.lr, self.wd, self.seed = torch.tensor(lr), weight_decay, 0
-        params = list(params)
-        small = [p for p in params if state_dtype == "8bit" and p.numel() < _quant.MIN_8BIT_NUMEL]
-        self.low = [p for p in params if not any(p is q for q in small)]
-        self.small = small
-        dev = params[0].device
-        if state_dtype == "8bit":
-            self.m = [torch.zeros_like(p, dtype=torch.uint8) for p in self.low]
-            self.v = [torch.zeros_like(p, dtype=torch.uint8) for p in self.low]
-            self.am = [torch.zeros(_quant.n_blocks(p.numel()), device=dev) for p in self.low]
-            self.av = [torch.zeros(_quant.n_blocks(p.numel()), device=dev) for p in self.low]
-        else:
-            self.m = [torch.zeros_like(p, dtype=torch.bfloat16) for p in self.low]
-            self.v = [torch.zeros_like(p, dtype=torch.bfloat16) for p in self.low]
-            self.am, self.av = [], []
-        self.steps = [torch.zeros((), device=dev) for _ in self.low]
-        self.small_m = [torch.zeros_like(p) for p in small]
-        self.small_v = [torch.zeros_like(p) for p in small]
-        self.small_steps = [torch.zeros((), device=dev) for _ in small]
-
-    @torch.no_grad()
-    def step(self):
-        self.seed += 1
-        torch.ops.fastops.adam_step_lowp_(
-            self.low, [p.grad for p in self.low], self.m, self.v, self.am, self.av, self.steps, [], self.lr, 0.9,
-            0.999, 1e-8, self.wd, False, True, self.seed, None, None)  # fmt: skip
-        if self.small:
-            torch.ops.fastops.adam_step_(
-                self.small, [p.grad for p in self.small], self.small_m, self.small_v, [], self.small_steps, [],
-                self.lr, 0.9, 0.999, 1e-8, self.wd, False, False, True, None, None)  # fmt: skip
-
-    def state_tensors(self):
-        return self.m + self.v + self.am + self.av + self.steps + self.small_m + self.small_v + self.small_steps
-
-
 def _tensor_bytes(t) -> int:
     # Tensor subclasses (torchao's OptimState8bit) hold their data in inner tensors.
     if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
@@ -119,10 +76,7 @@ def _tensor_bytes(t) -> int:
 
 def state_bytes(opt) -> int:
     """Bytes of optimizer state (moments, scales, step counters) held for all params."""
-    if isinstance(opt, LowpAdamW):
-        tensors = opt.state_tensors()
-    else:
-        tensors = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    tensors = [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     return sum(_tensor_bytes(t) for t in tensors)
 
 
@@ -139,8 +93,9 @@ def lowp_spec() -> Spec:
     providers = {
         "torch_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
         "fastops": lambda ps: fastops.optim.AdamW(ps, lr=1e-3),
-        "fastops_bf16": lambda ps: LowpAdamW(ps, lr=1e-3, state_dtype="bf16"),
-        "fastops_8bit": lambda ps: LowpAdamW(ps, lr=1e-3, state_dtype="8bit"),
+        # As users call it: the optimizer with its per-step Python (groups, calls, the bf16 seed), not the bare op.
+        "fastops_bf16": lambda ps: fastops.optim.AdamW(ps, lr=1e-3, state_dtype="bf16"),
+        "fastops_8bit": lambda ps: fastops.optim.AdamW(ps, lr=1e-3, state_dtype="8bit"),
     }
     ao, bnb = _peer("torchao.optim", "AdamW8bit"), _peer("bitsandbytes.optim", "AdamW8bit")
     if ao is not None:
