@@ -779,6 +779,9 @@ _EXTRAS_DOC = """
       (``max_grad_norm`` set, or a GradScaler handed over its scale without an ``unscale_`` first), else nan:
       never an earlier step's value.
 
+    Both describe the last ``step()`` call: torch's GradScaler skips a non-fused optimizer by not calling it, so
+    there they keep the last real step's values (fastops' GradScaler sets them for a step it does not call).
+
     Hyperparameters are checked with torch's constructor checks and wording when a group is added and at
     every step (Python numbers and CPU tensors; a GPU lr only when its group is added, since reading it each
     step would sync); a Tensor lr must be floating point. Groups the kernels do not take (float64 or complex
