@@ -26,9 +26,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from bench_adamw import make_params  # noqa: E402
+from runner import make_params  # noqa: E402
 
 import fastops  # noqa: E402
 import fastops.amp as famp  # noqa: E402
@@ -122,23 +122,21 @@ def bench_unscale(total, args):
         fn(grads, found, invs[0])
         fn(grads, found, invs[1])
 
-    samples = {name: [] for name in kernels}
     for fn in kernels.values():
         pair(fn)
-    for _ in range(args.rounds):
-        for name, fn in kernels.items():
-            t = common.time_ms(lambda: pair(fn), args.device, repeats=args.repeats, warmup=0)
-            samples[name].append(t["ms"] / 2)
+    # a sample: the median of ``repeats`` pairs, per call
+    measure = {name: (lambda fn=fn: common.time_ms(lambda: pair(fn), args.device, args.repeats, warmup=0)["ms"] / 2)
+               for name, fn in kernels.items()}  # fmt: skip
+    samples = common.interleaved(measure, args.rounds)
     if found.item() != 0:
         raise SystemExit("bench_amp: found_inf set by finite grads")
     rows = []
     for name, s in samples.items():
         per_elem = sum(unscale_bytes(name, inv, args.device) for inv in INV_PAIR) / len(INV_PAIR)
         gbs = per_elem * total / (common.quantile_row(s)["ms"] / 1e3) / 1e9
-        rows.append(common.row("unscale", name, total, s, args.device, bytes_per_elem=per_elem, gbs=round(gbs, 2)))
-    speedup = rows[0]["ms"] / rows[1]["ms"]
-    for r in rows:
-        r["fastops_speedup"] = round(speedup, 3)
+        rows.append(common.row("unscale", name, total, s, args.device, size_unit="params", bytes_per_elem=per_elem,
+                               gbs=round(gbs, 2)))  # fmt: skip
+    common.fastops_speedup(rows, "fastops_unscale_check")
     return rows
 
 
@@ -161,18 +159,17 @@ def bench_phase(total, args):
     setups = {"torch_recipe": timed_phases(torch_phase, total, args),
               "fastops": timed_phases(fastops_phase, total, args)}
     scaled = scaled_grads(setups["fastops"][0], seed=1)
-    samples = {name: [] for name in setups}
     for _, phase, load in setups.values():  # warm-up: optimizer state, scale tensor
         load(scaled)
         phase()
-    for _ in range(args.rounds):
-        for name, (_, phase, load) in setups.items():
-            # phases write grads (torch unscales in place): reset restores them outside the timed region
-            samples[name] += common.time_samples(phase, args.device, args.repeats, warmup=0, reset=lambda: load(scaled))
-    rows = [common.row("phase", name, total, s, args.device) for name, s in samples.items()]
-    speedup = rows[0]["ms"] / rows[1]["ms"]
-    for r in rows:
-        r["fastops_speedup"] = round(speedup, 3)
+    # Every phase is a sample. Phases write grads (torch unscales in place): reset restores them outside the
+    # timed region.
+    def measure(phase, load):
+        return lambda: common.time_samples(phase, args.device, args.repeats, warmup=0, reset=lambda: load(scaled))
+
+    samples = common.interleaved({name: measure(ph, ld) for name, (_, ph, ld) in setups.items()}, args.rounds)
+    rows = [common.row("phase", name, total, s, args.device, size_unit="params") for name, s in samples.items()]
+    common.fastops_speedup(rows)
     return rows
 
 
@@ -201,8 +198,9 @@ def main():
         if r["bench"] == "phase":
             r.update(max_param_diff=check["max_param_diff"], param_atol=check["atol"])
         extra = f"{r['gbs']:.1f} GB/s at {r['bytes_per_elem']:g} B/elem" if "gbs" in r else ""
+        speed = f"fastops {r['fastops_speedup']:.2f}x faster" if not r["provider"].startswith("fastops") else ""
         print(f"{r['bench']:8s} {r['provider']:22s} {r['ms']:9.2f} ms  [{r['ms_q20']:.2f}, {r['ms_q80']:.2f}]  "
-              f"{extra}  fastops {r['fastops_speedup']:.2f}x faster")  # fmt: skip
+              f"{extra}  {speed}")  # fmt: skip
     meta = {"torch": torch.__version__, "argv": sys.argv[1:], "inv_pair": INV_PAIR, "check": check}
     base = common.write_results(args.out or f"amp_{args.device.split(':')[0]}", rows, meta)
     print(f"wrote {base}.json/.csv (and .png with matplotlib)")

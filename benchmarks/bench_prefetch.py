@@ -30,7 +30,6 @@ import argparse
 import itertools
 import os
 import queue
-import statistics
 import sys
 import threading
 import time
@@ -39,7 +38,6 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import common  # noqa: E402
 
 from fastops.data import Prefetcher  # noqa: E402
@@ -56,10 +54,7 @@ class Work:
         self.kind, self.s = kind, ms / 1000
         if kind == "op":
             self.a = torch.randn(512, 512)
-            t = time.perf_counter()
-            for _ in range(20):
-                self.a @ self.a
-            self.reps = max(1, round(self.s / ((time.perf_counter() - t) / 20)))
+            self.reps = max(1, round(ms / common.device_ms(lambda: self.a @ self.a, "cpu", 20)))
 
     def __call__(self) -> None:
         if self.kind == "sleep":
@@ -120,16 +115,18 @@ def bench_cpu(configs, n: int, repeats: int) -> list[dict]:
             "dataloader_w2": lambda: DataLoader(ds, batch_size=None, num_workers=2),
             "fastops": lambda: Prefetcher(slow_loader(n, load), device="cpu"),
         }
-        times: dict[str, list[float]] = {p: [] for p in providers}
-        for _ in range(repeats):  # interleaved, so a slow phase of the machine hits every provider
-            for name, make in providers.items():
-                times[name].append(per_batch_ms(make, n, lambda _batch: step(), "cpu"))
+        measure = {name: (lambda make=make: per_batch_ms(make, n, lambda _batch: step(), "cpu"))
+                   for name, make in providers.items()}  # fmt: skip
+        times = common.interleaved(measure, repeats)
         torch.set_num_threads(os.cpu_count() or 1)
         size = f"{kind} load={x_ms:g}ms step={y_ms:g}ms"
-        for name, ts in times.items():
-            r = common.row("prefetch", name, size, ts, "cpu", x_ms=x_ms, y_ms=y_ms, kind=kind)
-            rows.append(r)
-            print(f"  {size:32s} {name:14s} {r['ms']:7.2f} ms/batch  [{r['ms_q20']:.2f}, {r['ms_q80']:.2f}]")
+        size_rows = [common.row("prefetch", name, size, ts, "cpu", size_unit="config", x_ms=x_ms, y_ms=y_ms, kind=kind)
+                     for name, ts in times.items()]  # fmt: skip
+        common.speedup_vs(size_rows, "plain")
+        for r in size_rows:
+            print(f"  {size:32s} {r['provider']:14s} {r['ms']:7.2f} ms/batch  [{r['ms_q20']:.2f}, {r['ms_q80']:.2f}]  "
+                  f"{r['speedup_vs_plain']:.2f}x plain")  # fmt: skip
+        rows += size_rows
     return rows
 
 
@@ -201,15 +198,11 @@ def measure_gil(mib: int, seconds: float) -> dict:
             spinner = threading.Thread(target=spin_until, args=(done,))
             if spinning:
                 spinner.start()
-            ts = []
-            for _ in range(9):
-                t = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t) * 1000)
+            ms = common.time_ms(fn, "cpu", repeats=9, warmup=0)["ms"]
             done.set()
             if spinning:
                 spinner.join()
-            batch_ms[name + ("_spinning" if spinning else "")] = statistics.median(ts)
+            batch_ms[name + ("_spinning" if spinning else "")] = ms
     torch.set_num_threads(os.cpu_count() or 1)
 
     gbs = mib / 1024
@@ -251,12 +244,7 @@ def bench_cuda(sizes_mib, n: int, repeats: int) -> list[dict]:
 
     b = torch.empty_like(a)
     reps = 1
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(20):
-        torch.mm(a, a, out=b)
-    torch.cuda.synchronize()
-    one = (time.perf_counter() - t) / 20
+    one = common.device_ms(lambda: torch.mm(a, a, out=b), "cuda", 20) / 1e3  # s per matmul
 
     def pinned_in_thread(batches, depth: int = 2):
         """What DataLoader(num_workers>0, pin_memory=True) hands timm: each batch pinned by a thread of the
@@ -313,18 +301,17 @@ def bench_cuda(sizes_mib, n: int, repeats: int) -> list[dict]:
             "timm_style": lambda: timm_style(Take(host)),
             "fastops": lambda: prefetcher,
         }
-        times: dict[str, list[float]] = {p: [] for p in providers}
         for name, make in providers.items():
             run(make)  # warm-up: pinned allocations (fastops' pool, timm's host cache), cuBLAS
-        for _ in range(repeats):
-            for name, make in providers.items():
-                times[name].append(run(make))
-        compute = statistics.median(times["compute_only"])
-        for name, ts in times.items():
-            r = common.row("prefetch_h2d", name, f"{mib} MiB", ts, "cuda")
-            rows.append(r)
-            print(f"  {mib:5d} MiB {name:14s} {r['ms']:8.2f} ms/step  [{r['ms_q20']:.2f}, {r['ms_q80']:.2f}]  "
-                  f"{r['ms'] / compute:.2f}x compute")
+        times = common.interleaved({name: (lambda make=make: run(make)) for name, make in providers.items()}, repeats)
+        size_rows = [common.row("prefetch_h2d", name, mib, ts, "cuda", size_unit="MiB per batch")
+                     for name, ts in times.items()]  # fmt: skip
+        common.speedup_vs(size_rows, "plain")
+        compute = next(r["ms"] for r in size_rows if r["provider"] == "compute_only")
+        for r in size_rows:
+            print(f"  {mib:5d} MiB {r['provider']:14s} {r['ms']:8.2f} ms/step  [{r['ms_q20']:.2f}, {r['ms_q80']:.2f}]  "
+                  f"{r['ms'] / compute:.2f}x compute, {r['speedup_vs_plain']:.2f}x plain")  # fmt: skip
+        rows += size_rows
         prefetcher.close()
         del host, prefetcher
     return rows
@@ -361,10 +348,8 @@ def main() -> int:
         print("GIL")
         gil = measure_gil(64, gil_s)
 
-        checks = {}
-        for size in dict.fromkeys(r["size"] for r in rows if r["x_ms"] == r["y_ms"]):
-            ms = {r["provider"]: r["ms"] for r in rows if r["size"] == size}
-            checks[size] = dict(speedup_vs_plain=ms["plain"] / ms["fastops"], required=1.8)
+        checks = {r["size"]: dict(speedup_vs_plain=r["speedup_vs_plain"], required=1.8)
+                  for r in rows if r["provider"] == "fastops" and r["x_ms"] == r["y_ms"]}  # fmt: skip
         ok = all(c["speedup_vs_plain"] >= c["required"] for k, c in checks.items() if k.startswith("sleep"))
         for k, c in checks.items():
             print(f"  {k}: fastops {c['speedup_vs_plain']:.2f}x faster than plain")

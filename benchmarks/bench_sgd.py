@@ -1,5 +1,5 @@
 """fastops.optim.SGD(momentum=0.9) against torch.optim.SGD's three implementations (fused=True, foreach=True,
-for-loop foreach=False), 1M to 64M params in 100 tensors, fp32; the harness is bench_adamw's.
+for-loop foreach=False), 1M to 64M params in 100 tensors, fp32, through runner.py as bench_adamw.
 
 Momentum SGD moves 20 bytes/param in fp32: read g, read and write p and the momentum buffer. The roofline is
 a streaming kernel with exactly that traffic (p += c*buf; buf = a*buf + g, one torch.compile'd loop, see
@@ -19,13 +19,13 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_adamw import Spec, main  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import runner  # noqa: E402
 
 import fastops  # noqa: E402
 
 SGD = dict(lr=1e-3, momentum=0.9)
-SPEC = Spec(
+SPEC = runner.Spec(
     "sgd",
     {
         "torch_foreach": lambda ps: torch.optim.SGD(ps, **SGD, foreach=True),
@@ -33,11 +33,11 @@ SPEC = Spec(
         "torch_forloop": lambda ps: torch.optim.SGD(ps, **SGD, foreach=False),
         "fastops": lambda ps: fastops.optim.SGD(ps, **SGD),
     },
-    bytes_per_param=20,
-    working_set=12,
+    bytes_per_param=20,  # read g, read + write p and the momentum buffer
+    working_set=12,  # p, g, buf
     kernels=("copy", "add_inplace", "sgd_pattern"),
     roofline="sgd_pattern",
 )
 
 if __name__ == "__main__":
-    main(SPEC, __doc__, sizes=[1, 4, 16, 32, 64])
+    runner.run(SPEC, runner.parser(__doc__, "sgd", sizes=(1, 4, 16, 32, 64)).parse_args())

@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -45,10 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 from torch.utils._pytree import tree_map
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import common  # noqa: E402
 
 from fastops.accelerate import accelerate  # noqa: E402
@@ -155,27 +152,16 @@ def bert_case(cuda: bool) -> dict:
 
 
 CASES = {"resnet": resnet_case, "maskrcnn": maskrcnn_case, "bert": bert_case}
-_RESULT = "RESULT "  # prefix of the worker's one line of JSON on stdout
 
 
 # ---- data ------------------------------------------------------------------------------------------------
 
 
-class _Batches(Dataset):
-    def __init__(self, batches: list) -> None:
-        self.batches = batches
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def __getitem__(self, i: int):
-        return self.batches[i]
-
-
 def _loader(batches: list) -> DataLoader:
-    # batch_size=None: the items are whole batches. Its own generator: a DataLoader without one draws its
-    # base seed from the global RNG when iterated, and the dropout masks would then differ by provider.
-    return DataLoader(_Batches(batches), batch_size=None, generator=torch.Generator().manual_seed(0))
+    # The list is the map-style dataset; batch_size=None: its items are whole batches. Its own generator: a
+    # DataLoader without one draws its base seed from the global RNG when iterated, and the dropout masks would
+    # then differ by provider.
+    return DataLoader(batches, batch_size=None, generator=torch.Generator().manual_seed(0))
 
 
 # ---- providers: each returns an iterator whose next() runs one training step and gives the loss ------------
@@ -256,49 +242,40 @@ def run_provider(case: dict, label: str, steps: int, device: str) -> dict:
 def _in_process(model_key: str, label: str, steps: int, device: str) -> dict:
     """run_provider in a fresh interpreter (``--worker``): fastops.accelerate changes process-wide state on
     the CPU (it keeps freed memory in the process), which must not reach the providers measured against it."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", model_key, label, str(steps), "--device", device]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    line = next((x for x in r.stdout.splitlines() if x.startswith(_RESULT)), None)
-    if r.returncode != 0 or line is None:
-        raise RuntimeError(f"bench_train worker {model_key}/{label} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
-    return json.loads(line[len(_RESULT):])
+    return common.in_fresh_process(__file__, ["--worker", model_key, label, str(steps), "--device", device])
 
 
 def run_case(model_key: str, labels: list[str], rounds: int, warmup: int, blocks: int, device: str):
     """Each provider runs in its own process, ``blocks`` times in turn (providers alternate, so load from other
     processes on a shared machine hits them alike); the first ``warmup`` steps of each run are not timed."""
     case = CASES[model_key](torch.device(device).type == "cuda")
-    samples = {label: [] for label in labels}
     losses: dict[str, list[float]] = {}
     info: dict[str, dict] = {}
     rerun_diff = {label: 0.0 for label in labels}
-    for _ in range(blocks):
-        for label in labels:
-            out = _in_process(model_key, label, rounds + warmup, device)
-            samples[label] += out["times"][warmup:]
-            # Same weights, batches, dropout masks and samples in every run; oneDNN's convolutions still differ
-            # in the last bits from run to run, so the runs' agreement is reported, not required.
-            if label in losses:
-                diff = max(abs(a - b) / abs(b) for a, b in zip(out["losses"], losses[label]))
-                rerun_diff[label] = max(rerun_diff[label], diff)
-            else:
-                losses[label], info[label] = out["losses"], out
+
+    def run(label: str) -> list[float]:
+        out = _in_process(model_key, label, rounds + warmup, device)
+        # Same weights, batches, dropout masks and samples in every run; oneDNN's convolutions still differ in
+        # the last bits from run to run, so the runs' agreement is reported, not required.
+        if label in losses:
+            diff = max(abs(a - b) / abs(b) for a, b in zip(out["losses"], losses[label]))
+            rerun_diff[label] = max(rerun_diff[label], diff)
+        else:
+            losses[label], info[label] = out["losses"], out
+        return out["times"][warmup:]
+
+    samples = common.interleaved({label: (lambda label=label: run(label)) for label in labels}, blocks)
     check = loss_check(losses, {k: v["precision"] for k, v in info.items()})
-    base = statistics.median(samples[FP32])
-    hf_ms = statistics.median(samples[HF]) if HF in samples else None
-    rows = []
-    for label, xs in samples.items():
-        ms = statistics.median(xs)
-        rows.append(common.row(
-            "train", label, case["name"], xs, device, model=model_key, precision=info[label]["precision"],
-            optimizer=info[label]["optimizer"], speedup_vs_fp32=round(base / ms, 3),
-            vs_hf_accelerate=round(hf_ms / ms, 3) if hf_ms else None, seed_claim_vs_fp32=CLAIMS[model_key],
-            first_loss=round(losses[label][0], 5), tail_loss=round(check[label]["tail_loss"], 5),
-            tail_rel_diff_vs_fp32=float(f"{check[label]['rel_diff_fp32']:.3g}"),
-            tail_rel_diff_vs_amp=float(f"{check[label].get('rel_diff_amp', float('nan')):.3g}"),
-            loss_check="; ".join(check[label]["fail"]) or "ok", rerun_loss_rel_diff=float(f"{rerun_diff[label]:.3g}"),
-            steps_timed=len(xs),
-        ))  # fmt: skip
+    rows = [common.row(
+        "train", label, case["name"], xs, device, size_unit="config", model=model_key,
+        precision=info[label]["precision"], optimizer=info[label]["optimizer"], seed_claim_vs_fp32=CLAIMS[model_key],
+        first_loss=round(losses[label][0], 5), tail_loss=round(check[label]["tail_loss"], 5),
+        tail_rel_diff_vs_fp32=float(f"{check[label]['rel_diff_fp32']:.3g}"),
+        tail_rel_diff_vs_amp=float(f"{check[label].get('rel_diff_amp', float('nan')):.3g}"),
+        loss_check="; ".join(check[label]["fail"]) or "ok", rerun_loss_rel_diff=float(f"{rerun_diff[label]:.3g}"),
+    ) for label, xs in samples.items()]  # fmt: skip
+    common.speedup_vs(rows, FP32, "speedup_vs_fp32")
+    common.speedup_vs(rows, HF, "vs_hf_accelerate")
     return rows, losses
 
 
@@ -329,41 +306,6 @@ def loss_check(losses: dict[str, list[float]], precision: dict[str, str]) -> dic
     return out
 
 
-def profile_case(model_key: str, labels: list[str], steps: int, device: str, path: str) -> None:
-    """torch.profiler over ``steps`` steps of each provider (after two warm-up steps, in this process): a table
-    of ops by self time, and the "## ..." ranges that _steps marks (forward + loss, backward, optimizer.step,
-    zero_grad). Appended to ``path``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    case = CASES[model_key](torch.device(device).type == "cuda")
-    cuda = torch.device(device).type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
-    with open(path, "a") as f:
-        for label in labels:
-            it = _start(case, label, steps + 2, device)
-            for _ in range(2):
-                next(it).item()
-            common.sync(device)
-            start = time.perf_counter()
-            with profile(activities=activities) as prof:
-                for _ in range(steps):
-                    next(it).item()
-            wall = 1e3 * (time.perf_counter() - start) / steps
-            it.close()
-            events = prof.key_averages()
-            phases = sorted((e for e in events if e.key.startswith("## ")), key=lambda e: e.key)
-            # On CUDA the host times of the phases are launch times; the device column is the GPU's.
-            lines = [f"==== {case['name']} / {label}: {steps} steps, {wall:.1f} ms per step under the profiler"]
-            for e in phases:
-                device_ms = f"  device {e.device_time_total / 1e3 / steps:8.1f} ms" if cuda else ""
-                lines.append(f"  {e.key[3:]:18s} host {e.cpu_time_total / 1e3 / steps:8.1f} ms{device_ms}")
-            table = events.table(sort_by=sort, row_limit=25, max_name_column_width=50)
-            f.write("\n".join(lines) + "\n" + table + "\n")
-            print("\n".join(lines), flush=True)
-    print(f"profiles (ops by self time) appended to {path}")
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -387,8 +329,7 @@ def main() -> int:
         return 2
     if args.worker:
         model_key, label, steps = args.worker
-        out = run_provider(CASES[model_key](cuda), label, int(steps), device)
-        print(_RESULT + json.dumps(out), flush=True)
+        common.reply(run_provider(CASES[model_key](cuda), label, int(steps), device))
         return 0
     rounds = args.rounds or (3 if args.quick else 6)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
@@ -403,14 +344,14 @@ def main() -> int:
         case_rows, losses = run_case(key, labels, rounds, warmup, blocks, device)
         all_losses[name] = losses
         for r in case_rows:
-            vs_hf = f"{r['vs_hf_accelerate']:5.2f}x HF" if r["vs_hf_accelerate"] else ""
+            vs_hf = f"{r['vs_hf_accelerate']:5.2f}x HF" if "vs_hf_accelerate" in r else ""
             print(f"  {r['provider']:20s} {r['ms']:8.1f} ms [{r['ms_q20']:.1f}, {r['ms_q80']:.1f}]  "
                   f"{r['speedup_vs_fp32']:5.2f}x fp32 {vs_hf}  loss {r['first_loss']:.4f} -> {r['tail_loss']:.4f} "
                   f"(last {LOSS_TAIL}: {r['tail_rel_diff_vs_fp32']:.1e} from fp32, "
                   f"{r['tail_rel_diff_vs_amp']:.1e} from the AMP recipe)  {r['optimizer'] or ''}", flush=True)  # fmt: skip
         fo = next((r for r in case_rows if r["provider"] == FASTOPS), None)
         if fo:
-            claim, hf = CLAIMS[key], fo["vs_hf_accelerate"]
+            claim, hf = CLAIMS[key], fo.get("vs_hf_accelerate")
             summary[key] = {"fastops_vs_fp32": fo["speedup_vs_fp32"], "seed_claim": claim,
                             "beats_claim": fo["speedup_vs_fp32"] > claim, "fastops_vs_hf": hf,
                             "meets_hf_target": hf is not None and hf >= HF_TARGET}  # fmt: skip
@@ -436,8 +377,17 @@ def main() -> int:
         path = common.result_base(name) + "_profile.txt"
         if os.path.exists(path):
             os.remove(path)
-        for key in args.models:
-            profile_case(key, labels, args.profile, device, path)
+        # In this process, after two warm-up steps: the "## ..." ranges that _steps marks and ops by self time.
+        with open(path, "a") as f:
+            for key in args.models:
+                case = CASES[key](cuda)
+                for label in labels:
+                    it = _start(case, label, args.profile + 2, device)
+                    for _ in range(2):
+                        next(it).item()
+                    common.profile_steps(lambda: next(it).item(), args.profile, device, f"{case['name']} / {label}", f)
+                    it.close()
+        print(f"profiles (ops by self time) appended to {path}")
     return 1 if bad else 0
 
 

@@ -1,7 +1,9 @@
 """The one harness every benchmark times through: medians with 20/80% quantiles (``time_ms``, with a
-``reset`` hook run outside the timed region), one row schema (``row``: bench, provider, size, ms, ms_q20, ms_q80,
-device, hardware, then the benchmark's own columns), one CSV and one JSON per run (``write_results``, which also
-draws the run with benchmarks/plot.py), and the memory roofline measured in the same run (``StreamKernels``)."""
+``reset`` hook run outside the timed region), providers taking turns round by round (``interleaved``), one row
+schema (``row``: SCHEMA's columns, then the benchmark's own, each named in COLUMNS with its one meaning), speedup
+columns (``speedup_vs``, ``fastops_speedup``), one CSV and one JSON per run (``write_results``, which also draws
+the run with benchmarks/plot.py), the memory roofline measured in the same run (``StreamKernels``) and a
+profile of a step (``profile_steps``). The optimizer benchmarks' runner is runner.py."""
 
 from __future__ import annotations
 
@@ -10,13 +12,58 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from typing import Callable
 
 import torch
 
+# The checkout these benchmarks sit in comes first: they measure its fastops, not one an editable install
+# elsewhere would put on the path (benchmarks import common before fastops).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
-SCHEMA = ("bench", "provider", "size", "ms", "ms_q20", "ms_q80", "device", "hardware")
+SCHEMA = ("bench", "provider", "size", "size_unit", "ms", "ms_q20", "ms_q80", "samples", "device", "hardware")
+# Every column a benchmark writes, with its one meaning; write_results refuses a column not named here (or
+# speedup_vs_<provider>) and copies the meanings of a file's columns into its JSON.
+COLUMNS = {
+    "bench": "what is measured: adamw, adamw_lowp, sgd, unscale, phase, prefetch, prefetch_h2d, train, parity_lowp",
+    "provider": "the implementation measured (fastops, torch_fused, ...)",
+    "size": "the problem size: a number in size_unit, or a label naming the configuration when size_unit is "
+            "'config'",
+    "size_unit": "what size counts: params, MiB per batch, or config",
+    "ms": "median wall time in ms of one unit of work (optimizer step, kernel call, batch, training step)",
+    "ms_q20": "20% quantile of the same samples", "ms_q80": "80% quantile of the same samples",
+    "samples": "number of timings behind ms and its quantiles (each may itself be a median, see the bench)",
+    "device": "the torch device the work ran on (cpu, cuda)", "hardware": "CPU model and torch threads, or the GPU's name",
+    "speedup_vs_*": "ms of the named provider (speedup_vs_fp32: torch fp32) at the same bench and size / this row's "
+                    "ms (>1: this row is faster)",
+    "fastops_speedup": "this row's ms / fastops' ms at the same bench and size: how many times faster fastops is",
+    "tensors": "number of parameter tensors the params are split into", "dtype": "dtype of the params and grads",
+    "gbs": "effective GB/s: the bytes the provider must move (bytes_per_param or bytes_per_elem) / ms",
+    "roofline_gbs": "GB/s of the best streaming kernel measured in the same rounds (common.StreamKernels)",
+    "roofline_kernel": "the streaming kernel that set roofline_gbs", "pct_roofline": "100 * gbs / roofline_gbs",
+    "copy_gbs": "GB/s of a tensor copy in the same rounds, STREAM's count", "pct_copy": "100 * gbs / copy_gbs",
+    "working_set_mib": "MiB of params, grads and fp32 states: what a step must keep in cache to run from it",
+    "fits_llc": "whether the working set fits the CPU's last-level cache (a step could then beat the roofline)",
+    "bytes_per_param": "bytes one optimizer step moves per param, as counted for gbs",
+    "ns_per_param": "ms per step in ns per param", "state_bytes_per_param": "optimizer state held per param",
+    "torch_default": "whether this is the implementation torch's optimizer picks here without foreach/fused",
+    "bytes_per_elem": "bytes one kernel call moves per element, as counted for gbs",
+    "max_param_diff": "largest |param| difference between the two recipes after the check phases",
+    "param_atol": "the rounding tolerance max_param_diff is held to",
+    "kind": "the loader's and step's work: sleep, or torch ops", "x_ms": "the loader's ms per batch",
+    "y_ms": "the step's ms per batch", "model": "the model's key on the command line (--models)",
+    "precision": "the precision the provider trained in", "optimizer": "the optimizer class fastops ran, if any",
+    "vs_hf_accelerate": "HF Accelerate bf16's ms at the same size / this row's ms",
+    "seed_claim_vs_fp32": "the speedup over plain fp32 the seed claims for the model",
+    "first_loss": "the loss of the first step", "tail_loss": "mean loss of the last loss-check steps",
+    "tail_rel_diff_vs_fp32": "mean |loss - torch fp32's| / torch fp32's over the last loss-check steps",
+    "tail_rel_diff_vs_amp": "the same against torch's AMP recipe", "loss_check": "ok, or the failed checks",
+    "rerun_loss_rel_diff": "largest relative loss difference between runs of the same provider",
+    "step": "the training step's index (0 is the first)", "loss": "the training loss at that step",
+}
 
 
 def hardware(device: str) -> str:
@@ -81,14 +128,49 @@ def time_ms(fn: Callable[[], object], device: str, repeats: int, warmup: int = 3
     return quantile_row(time_samples(fn, device, repeats, warmup, reset))
 
 
-def row(bench: str, provider: str, size, samples: list[float], device: str, **extra) -> dict:
+def interleaved(measure: dict[str, Callable[[], float | list[float]]], rounds: int,
+                before_round: Callable[[], object] | None = None) -> dict[str, list[float]]:  # fmt: skip
+    """ms samples of each provider: every round measures each of them once, in turn, so drift on a shared
+    machine hits them all alike. A measurement returns one sample or a list of them; ``before_round`` runs at
+    the start of each round (the roofline kernels sample there)."""
+    samples: dict[str, list[float]] = {name: [] for name in measure}
+    for _ in range(rounds):
+        if before_round is not None:
+            before_round()
+        for name, fn in measure.items():
+            out = fn()
+            samples[name] += out if isinstance(out, list) else [out]
+    return samples
+
+
+def row(bench: str, provider: str, size, samples: list[float], device: str, *, size_unit: str, **extra) -> dict:
     """One result row in the shared schema (SCHEMA first, then ``extra``), from raw ms samples."""
     t = {k: round(v, 4) for k, v in quantile_row(samples).items()}
-    return {"bench": bench, "provider": provider, "size": size, **t, "device": device,
-            "hardware": hardware(device), **extra}  # fmt: skip
+    return {"bench": bench, "provider": provider, "size": size, "size_unit": size_unit, **t,
+            "samples": len(samples), "device": device, "hardware": hardware(device), **extra}  # fmt: skip
 
 
-def _device_ms(fn: Callable[[], object], device: str, calls: int) -> float:
+def _ratio(rows: list[dict], ref: str, column: str, ref_over_row: bool) -> None:
+    refs = {(r["bench"], r["size"]): r["ms"] for r in rows if r["provider"] == ref}
+    for r in rows:
+        m = refs.get((r["bench"], r["size"]))
+        if m is not None:
+            r[column] = round(m / r["ms"] if ref_over_row else r["ms"] / m, 3)
+
+
+def speedup_vs(rows: list[dict], baseline: str, column: str | None = None) -> None:
+    """Adds ``column`` (default speedup_vs_<baseline>): ``baseline``'s ms / this row's ms, at the same bench
+    and size, to every row that has a baseline row next to it."""
+    _ratio(rows, baseline, column or f"speedup_vs_{baseline}", ref_over_row=True)
+
+
+def fastops_speedup(rows: list[dict], fastops: str = "fastops") -> None:
+    """Adds fastops_speedup: this row's ms / the ms of provider ``fastops`` at the same bench and size (1 on
+    fastops' own row)."""
+    _ratio(rows, fastops, "fastops_speedup", ref_over_row=False)
+
+
+def device_ms(fn: Callable[[], object], device: str, calls: int) -> float:
     """ms per call of ``fn`` over ``calls`` back-to-back calls; CUDA events on a GPU, so the figure is the
     kernels' time on the device and not the host's launch and sync latency."""
     if device.startswith("cuda"):
@@ -214,7 +296,7 @@ class StreamKernels:
     def sample(self, samples: dict[str, list[float]]) -> None:
         """One timing (ms per call) of each kernel, appended to ``samples[name]``."""
         for name, fn in self.fns.items():
-            samples.setdefault(name, []).append(_device_ms(fn, self.device, self.calls))
+            samples.setdefault(name, []).append(device_ms(fn, self.device, self.calls))
 
     def summary(self, samples: dict[str, list[float]], roofline: str | None = None) -> dict:
         """GB/s of each kernel; the roofline is the best of them, or the kernel named ``roofline``."""
@@ -237,19 +319,27 @@ def result_base(name: str) -> str:
     return name if os.path.dirname(name) else os.path.join(RESULTS, name)
 
 
+def meaning(column: str) -> str | None:
+    """The meaning COLUMNS gives ``column``, or None where it has none."""
+    return COLUMNS.get("speedup_vs_*" if column.startswith("speedup_vs_") else column)
+
+
 def write_results(name: str, rows: list[dict], meta: dict) -> str:
-    """``name``.json (meta and rows) and ``name``.csv (rows: SCHEMA's columns first), then ``name``.png
-    drawn by plot.py. Returns the path without extension."""
+    """``name``.json (meta, with the meaning of every column under "columns", and rows) and ``name``.csv
+    (rows: SCHEMA's columns first), then ``name``.png drawn by plot.py. Returns the path without extension."""
     for r in rows:
         missing = [k for k in SCHEMA if k not in r]
         if missing:
             raise ValueError(f"benchmark row without {missing}: {r}")
+    fields = list(dict.fromkeys([*SCHEMA, *(k for r in rows for k in r)]))
+    unnamed = [k for k in fields if meaning(k) is None]
+    if unnamed:
+        raise ValueError(f"columns {unnamed} have no meaning in common.COLUMNS: name them there (one meaning each)")
     base = result_base(name)
     os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
     with open(base + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        json.dump({"meta": {**meta, "columns": {k: meaning(k) for k in fields}}, "rows": rows}, f, indent=1)
     with open(base + ".csv", "w", newline="") as f:
-        fields = list(dict.fromkeys([*SCHEMA, *(k for r in rows for k in r)]))
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
@@ -257,3 +347,46 @@ def write_results(name: str, rows: list[dict], meta: dict) -> str:
 
     plot.draw(base + ".csv")
     return base
+
+
+_REPLY = "RESULT "  # prefix of a worker's one line of JSON on stdout
+
+
+def in_fresh_process(script: str, args: list[str]) -> dict:
+    """``python script *args`` in a fresh interpreter, for a provider that changes process-wide state the
+    others must not inherit; returns what the worker passed to ``reply``."""
+    r = subprocess.run([sys.executable, os.path.abspath(script), *args], capture_output=True, text=True)
+    line = next((x for x in r.stdout.splitlines() if x.startswith(_REPLY)), None)
+    if r.returncode != 0 or line is None:
+        raise RuntimeError(f"worker {' '.join(args)} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    return json.loads(line[len(_REPLY) :])
+
+
+def reply(out: dict) -> None:
+    """The worker's side of ``in_fresh_process``."""
+    print(_REPLY + json.dumps(out), flush=True)
+
+
+def profile_steps(step: Callable[[], object], steps: int, device: str, title: str, out) -> None:
+    """``steps`` calls of ``step`` under torch.profiler, after the caller's warm-up: ms per call, the host
+    (and, on CUDA, device) ms of each range the step marks with record_function("## name"), and a table of
+    ops by self time, written to the open file ``out``; the ranges are printed too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            step()
+    wall = 1e3 * (time.perf_counter() - start) / steps
+    events = prof.key_averages()
+    # On CUDA the host times of the ranges are launch times; the device column is the GPU's.
+    lines = [f"==== {title}: {steps} steps, {wall:.1f} ms per step under the profiler"]
+    for e in sorted((e for e in events if e.key.startswith("## ")), key=lambda e: e.key):
+        dev = f"  device {e.device_time_total / 1e3 / steps:8.1f} ms" if cuda else ""
+        lines.append(f"  {e.key[3:]:18s} host {e.cpu_time_total / 1e3 / steps:8.1f} ms{dev}")
+    table = events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=25,
+                         max_name_column_width=50)  # fmt: skip
+    out.write("\n".join(lines) + "\n" + table + "\n")
+    print("\n".join(lines), flush=True)

@@ -15,8 +15,9 @@ loss is the mean of the last ``--tail`` steps; the target is each provider's wit
     python benchmarks/parity_lowp.py --steps 30 --models llama     # smoke run
     FASTOPS_BACKEND=reference python benchmarks/parity_lowp.py --steps 30   # before the C++ kernel of the op lands
 
-Writes benchmarks/results/parity_lowp_cpu.{json,csv,png} (``--out`` names another file): one row per provider and
-step (``loss``; ``ms`` is that step's wall time, forward, backward and optimizer), and the loss curves side by side.
+Writes benchmarks/results/parity_lowp_cpu.{json,csv,png} (``--out`` names another file): one row per model, provider
+and step: ``size`` names the model's configuration, ``step`` the step, ``loss`` its loss and ``ms`` its wall time
+(forward, backward and optimizer; one sample, so ms_q20 = ms_q80 = ms); and the loss curves side by side.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import common  # noqa: E402
+from runner import state_bytes  # noqa: E402
 
 import fastops  # noqa: E402
 
@@ -106,20 +107,6 @@ def make_optimizer(provider: str, params, lr: float):
     raise ValueError(provider)
 
 
-def state_bytes(opt) -> int:
-    """Bytes of every tensor in the optimizer state (torchao's subclass tensors count their codes and scales)."""
-    total = 0
-    for st in opt.state.values():
-        for v in st.values():
-            if isinstance(v, torch.Tensor):
-                inner = getattr(v, "__tensor_flatten__", None)
-                if inner is not None and type(v) is not torch.Tensor:
-                    total += sum(getattr(v, name).nbytes for name in inner()[0])
-                else:
-                    total += v.nbytes
-    return total
-
-
 def train(case: dict, provider: str, steps: int, batches: list) -> dict:
     torch.manual_seed(0)
     model = case["make"]()
@@ -127,18 +114,22 @@ def train(case: dict, provider: str, steps: int, batches: list) -> dict:
     params = list(model.parameters())
     n_params = sum(p.numel() for p in params)
     opt = make_optimizer(provider, params, case["lr"])
-    losses, ms = [], []
-    for step in range(steps):
-        torch.manual_seed(10_000 + step)  # the same dropout masks for every provider
-        t0 = time.perf_counter()
+    losses: list[float] = []
+
+    def step() -> None:
         opt.zero_grad(set_to_none=True)
-        loss = model(**batches[step]).loss
+        loss = model(**batches[len(losses)]).loss
         loss.backward()
         opt.step()
-        ms.append((time.perf_counter() - t0) * 1e3)
         losses.append(loss.item())
-        if not math.isfinite(losses[-1]):
-            raise RuntimeError(f"{provider}: loss {losses[-1]} at step {step}")
+
+    def before() -> None:  # outside the timed region
+        if losses and not math.isfinite(losses[-1]):
+            raise RuntimeError(f"{provider}: loss {losses[-1]} at step {len(losses) - 1}")
+        torch.manual_seed(10_000 + len(losses))  # the same dropout masks for every provider
+
+    ms = common.time_samples(step, "cpu", steps, warmup=0, reset=before)
+    before()
     return {"losses": losses, "ms": ms, "state_bytes_per_param": state_bytes(opt) / n_params}
 
 
@@ -173,7 +164,8 @@ def main() -> int:
                 summary.append({"model": case["name"], "provider": provider, "error": f"{type(e).__name__}: {e}"[:500]})
                 continue
             for step, (loss, ms) in enumerate(zip(r["losses"], r["ms"])):
-                rows.append(common.row(case["name"], provider, step, [ms], "cpu", loss=loss))
+                rows.append(common.row("parity_lowp", provider, case["name"], [ms], "cpu", size_unit="config",
+                                       model=model_name, step=step, loss=loss))  # fmt: skip
             r["final"] = sum(r["losses"][-args.tail:]) / len(r["losses"][-args.tail:])
             r["wall_s"] = time.perf_counter() - t0
             print(f"{case['name']:40s} {provider:18s} done in {r['wall_s']:.0f} s, final loss {r['final']:.4f}",
