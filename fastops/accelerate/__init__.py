@@ -108,7 +108,9 @@ class Accelerator:
             applied. (HF Accelerate by default steps at the end of every pass instead:
             ``GradientAccumulationPlugin(sync_with_dataloader=True)``.) Make the pass length a multiple of k,
             e.g. with ``drop_last`` and a batch count that divides, to keep steps aligned with epochs.
-        compile: torch.compile the model's forward.
+        compile: torch.compile each repeated block of the model once (HF's ``_no_split_modules``, the items of a
+            ``ModuleList``/``Sequential`` of one class), the rest eager; a failed compile falls back to eager with a
+            warning (``_compile``).
         device: default: cuda:LOCAL_RANK under a launcher that sets LOCAL_RANK (torchrun), the current CUDA
             device otherwise, and the CPU without CUDA. "cuda" without an index means the same device. On the
             CPU, freed blocks of 8 MiB and more are then kept for reuse (``keeps_freed_memory``; see

@@ -102,7 +102,9 @@ def prepare_model(acc: "Accelerator", model: nn.Module) -> nn.Module:
     if acc.strategy == "pp":
         return _prepare_pipeline(acc, model)
     if acc.compile:
-        model.forward = torch.compile(model.forward)
+        from . import _compile
+
+        acc._step_state.regions = _compile.compile_regions(model)
     if acc.strategy in ("tp", "fsdp+tp"):
         from .. import _parallel
 

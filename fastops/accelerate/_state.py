@@ -19,11 +19,16 @@ class StepState:
     hooked: bool = False  # outputs got grad hooks since the last step
     user_scaler: Any = None  # a GradScaler of the user's scaled this step's loss: it drives (_model.give_way_to)
     warned_outputs: bool = False  # the warning about outputs with no floating tensor was given
+    regions: Any = None  # compile=True: the compiled regions (_compile._Regions), which report after a few steps
+    real_steps: int = 0  # real optimizer steps taken in this process
 
     def end_step(self) -> None:
         """After a real optimizer step: the next step's gradients start unscaled and unhooked."""
         self.grads_scaled = self.hooked = False
         self.user_scaler = None
+        self.real_steps += 1
+        if self.regions is not None:
+            self.regions.report(self.real_steps)
 
     @contextlib.contextmanager
     def raw_calls(self):

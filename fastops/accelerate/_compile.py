@@ -1,0 +1,119 @@
+"""Regional compilation for ``fastops.accelerate(compile=True)``.
+
+A model is mostly a stack of one repeated block (a transformer layer, a ResNet bottleneck). Compiling each block
+with ``nn.Module.compile`` traces that block's code once: the instances share the graph (their parameters are
+graph inputs), so compile time is one block's instead of the whole model's, and the steady state is close to a
+full compile (PyTorch's regional compilation recipe, HF Accelerate's ``compile_regions``, torchtitan's per-block
+compile). The blocks are HF transformers' ``_no_split_modules`` classes, else the items of any ``ModuleList`` or
+``Sequential`` that repeats one class (torchvision's and timm's stages, a user's ``nn.ModuleList`` of layers); the
+rest of the model stays eager. Without any repeated block the whole forward is compiled once.
+
+A compile that fails (a backend error, an operator dynamo cannot trace) makes every region run eagerly from then
+on, with one warning that gives the reason. Graph breaks and recompiles are reported once, after the first
+optimizer steps, in one warning, since each means compile time spent again or code left eager.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+
+# The backend regions compile with; tests set "eager" to check the mechanics without inductor's compile time.
+BACKEND = "inductor"
+# Optimizer steps after which the compile statistics are read once (the second step shows recompiles caused by
+# whatever changed after the first, such as the optimizer's state).
+REPORT_AFTER = 2
+
+
+def find_regions(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of ``model`` (see the module docstring), outermost first; none nested in another."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        found = [m for m in model.modules() if type(m).__name__ in names]
+    else:
+        found = []
+
+        def visit(module: nn.Module) -> None:
+            for child in module.children():
+                items = list(child.children()) if isinstance(child, (nn.ModuleList, nn.Sequential)) else []
+                if len(items) >= 2 and len({type(c) for c in items}) == 1 and any(True for _ in child.parameters()):
+                    found.extend(items)
+                else:
+                    visit(child)
+
+        visit(model)
+    inside = set()
+    for m in found:
+        inside.update(id(sub) for sub in m.modules() if sub is not m)
+    return [m for m in found if id(m) not in inside]
+
+
+class _Regions:
+    """The compiled regions of one model and what the run learned about them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from torch._dynamo.utils import counters
+
+        self.counters = counters
+        self.start = {"unique_graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
+        self.failed: str | None = None
+        self.reported = False
+        self.modules = find_regions(model) or [model]
+        self.classes = {type(m).__name__ for m in self.modules}
+        for module in self.modules:
+            eager = module._call_impl
+            compiled = torch.compile(eager, backend=BACKEND)
+            module._compiled_call_impl = self._guarded(compiled, eager)
+
+    def _guarded(self, compiled, eager):
+        regions = self
+
+        def call(*args, **kwargs):
+            if regions.failed is not None:
+                return eager(*args, **kwargs)
+            try:
+                return compiled(*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as e:
+                # Raised by dynamo and the backends while tracing or compiling, before the region's code ran: the
+                # eager call computes what the compiled one would have.
+                cause = getattr(e, "inner_exception", None) or e.__cause__ or e  # a backend's own error, if any
+                lines = [line for line in str(cause).splitlines() if line.strip()]
+                regions.failed = f"{type(cause).__name__}: {lines[0] if lines else ''}"
+                warnings.warn(
+                    f"fastops.accelerate(compile=True): compiling {sorted(regions.classes)} failed, so the model "
+                    f"runs eagerly from here on ({regions.failed})",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return eager(*args, **kwargs)
+
+        return call
+
+    def report(self, steps: int) -> None:
+        """One warning after REPORT_AFTER optimizer steps when the regions broke graphs or recompiled."""
+        if self.reported or steps < REPORT_AFTER or self.failed is not None:
+            return
+        self.reported = True
+        graphs = self.counters["stats"]["unique_graphs"] - self.start["unique_graphs"]
+        breaks = {k: v for k, v in self.counters["graph_break"].items()}
+        n_breaks = sum(breaks.values()) - self.start["breaks"]
+        # One graph per block class, one more per shape it saw (ResNet's stages), at most: more means recompiles.
+        if n_breaks == 0 and graphs <= 2 * len(self.classes) + 2:
+            return
+        reasons = "; ".join(f"{reason} ({count}x)" for reason, count in list(breaks.items())[:3])
+        warnings.warn(
+            f"fastops.accelerate(compile=True): {len(self.modules)} regions ({sorted(self.classes)}) made {graphs} "
+            f"graphs in {steps} steps with {n_breaks} graph breaks{': ' + reasons if reasons else ''}. Graph breaks "
+            "leave code eager and recompiles spend compile time again; torch._logging.set_logs(graph_breaks=True, "
+            "recompiles=True) shows where.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def compile_regions(model: nn.Module) -> _Regions:
+    """Compiles ``model``'s repeated blocks in place (their ``__call__`` goes through the compiled code) and
+    returns the record ``fastops.accelerate`` reports from."""
+    return _Regions(model)

@@ -1,0 +1,141 @@
+"""fastops.accelerate(compile=True): each repeated block compiled once, the rest eager; a failed compile falls back
+to eager with one warning; graph breaks and recompiles reported once. The mechanics run on dynamo's "eager"
+backend (no inductor compile time); one test compiles for real."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torchvision
+from torch._dynamo.utils import counters
+from transformers import BertConfig, BertForMaskedLM
+
+import fastops
+from fastops.accelerate import _compile
+
+
+def tiny_bert(layers: int = 4):
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)  # fmt: skip
+    return BertForMaskedLM(cfg)
+
+
+def mlm_batches(n: int):
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(5, 128, (4, 16), generator=g) for _ in range(n)]
+    return [{"input_ids": i, "labels": i} for i in ids]
+
+
+class Stack(nn.Module):
+    """A user's model: a ModuleList of one block class between two layers of their own."""
+
+    def __init__(self, block=None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.out = nn.Linear(6, 16), nn.Linear(16, 3)
+        self.blocks = nn.ModuleList((block or Block)() for _ in range(3))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class BreakingBlock(Block):
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return x + torch.tanh(self.fc(x))
+
+
+def test_find_regions():
+    bert = tiny_bert(3)
+    assert [type(m).__name__ for m in _compile.find_regions(bert)] == ["BertEmbeddings"] + ["BertLayer"] * 3
+    resnet = torchvision.models.resnet18()
+    regions = _compile.find_regions(resnet)
+    assert len(regions) == 8 and {type(m).__name__ for m in regions} == {"BasicBlock"}
+    stack = Stack()
+    assert _compile.find_regions(stack) == list(stack.blocks)
+    assert _compile.find_regions(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == []  # no repeated class
+
+
+def _train(model, batches, compile, loss_fn):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, loader = fastops.accelerate(model, opt, batches, precision="fp32", device="cpu", compile=compile)
+    losses = []
+    for batch in loader:
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _hf_loss(model, batch):
+    return model(**batch).loss
+
+
+def _stack_loss(model, batch):
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def _stack_batches(n):
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(n)]
+
+
+def test_repeated_blocks_compile_once(monkeypatch):
+    """Four BertLayers and the embeddings: two graphs, whatever the number of layers; losses as eager."""
+    monkeypatch.setattr(_compile, "BACKEND", "eager")
+    want = _train(tiny_bert(), mlm_batches(3), False, _hf_loss)
+    before = counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fastops", category=RuntimeWarning)  # no break, no recompile
+        got = _train(tiny_bert(), mlm_batches(3), True, _hf_loss)
+    assert counters["stats"]["unique_graphs"] - before == 2
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_failed_compile_falls_back_to_eager(monkeypatch):
+    def broken(gm, example_inputs):
+        raise RuntimeError("this backend cannot compile")
+
+    monkeypatch.setattr(_compile, "BACKEND", broken)
+    want = _train(Stack(), _stack_batches(3), False, _stack_loss)
+    with pytest.warns(RuntimeWarning, match=r"compiling \['Block'\] failed, so the model runs eagerly.*cannot compile"):
+        got = _train(Stack(), _stack_batches(3), True, _stack_loss)
+    assert got == want  # the eager code itself, from the failed call on
+
+
+def test_graph_breaks_are_reported_once(monkeypatch):
+    monkeypatch.setattr(_compile, "BACKEND", "eager")
+    with pytest.warns(RuntimeWarning, match="graph breaks") as record:
+        _train(Stack(BreakingBlock), _stack_batches(4), True, _stack_loss)
+    assert sum("graph breaks" in str(w.message) for w in record) == 1
+
+
+def test_inductor_regions_train_like_eager():
+    # CI and the dev machines have gcc, so inductor must compile here: any failure is a real one.
+    want = _train(Stack(), _stack_batches(3), False, _stack_loss)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fastops", category=RuntimeWarning)
+        got = _train(Stack(), _stack_batches(3), True, _stack_loss)
+    # Inductor may fuse the block's add and tanh into one loop and round in another order: fp32 rounding.
+    assert got == pytest.approx(want, rel=1e-5)
