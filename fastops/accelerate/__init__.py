@@ -63,6 +63,7 @@ def accelerate(
     grad_clip: float | None = None,
     accumulate: int = 1,
     compile: bool = False,
+    fused_loss: bool = False,
     device: torch.device | str | None = None,
     tp_size: int = 1,
     pp_size: int = 1,
@@ -74,7 +75,7 @@ def accelerate(
     The Accelerator is reachable afterwards as ``optimizer.accelerator`` (for ``save``/``load``)."""
     acc = Accelerator(
         precision=precision, strategy=strategy, grad_clip=grad_clip, accumulate=accumulate, compile=compile,
-        device=device, tp_size=tp_size, pp_size=pp_size, tp_plan=tp_plan, n_microbatches=n_microbatches,
+        fused_loss=fused_loss, device=device, tp_size=tp_size, pp_size=pp_size, tp_plan=tp_plan, n_microbatches=n_microbatches,
         pp_schedule=pp_schedule,
     )
     model, optimizer = acc.prepare(model, optimizer)
@@ -111,6 +112,10 @@ class Accelerator:
         compile: torch.compile each repeated block of the model once (HF's ``_no_split_modules``, the items of a
             ``ModuleList``/``Sequential`` of one class), the rest eager; a failed compile falls back to eager with a
             warning (``_compile``).
+        fused_loss: an HF transformers model trained with ``labels`` computes its cross-entropy loss with
+            ``fastops.linear_cross_entropy`` (the loss and its gradients without the logits; rows whose label is
+            ignored cost nothing), and ``out.logits`` is None in those calls. Off by default because of that.
+            A head that does more than a linear map is left as it is, with a warning (``_fused_loss``).
         device: default: cuda:LOCAL_RANK under a launcher that sets LOCAL_RANK (torchrun), the current CUDA
             device otherwise, and the CPU without CUDA. "cuda" without an index means the same device. On the
             CPU, freed blocks of 8 MiB and more are then kept for reuse (``keeps_freed_memory``; see
@@ -132,6 +137,7 @@ class Accelerator:
         grad_clip: float | None = None,
         accumulate: int = 1,
         compile: bool = False,
+        fused_loss: bool = False,
         device: torch.device | str | None = None,
         tp_size: int = 1,
         pp_size: int = 1,
@@ -150,6 +156,9 @@ class Accelerator:
         self.grad_clip = None if grad_clip is None else float(grad_clip)
         self.accumulate = accumulate
         self.compile = compile
+        if not isinstance(fused_loss, bool):
+            raise ValueError(f"fastops.accelerate: fused_loss must be True or False, got {fused_loss!r}")
+        self.fused_loss = fused_loss
 
         _distributed.init_processes(self, device)
         self.strategy = _distributed.resolve_strategy(strategy, self.world_size, self.distributed)

@@ -101,6 +101,10 @@ def prepare_model(acc: "Accelerator", model: nn.Module) -> nn.Module:
     acc._inner = model
     if acc.strategy == "pp":
         return _prepare_pipeline(acc, model)
+    if acc.fused_loss:
+        from . import _fused_loss
+
+        _fused_loss.install(model)
     if acc.compile:
         from . import _compile
 

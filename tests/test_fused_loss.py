@@ -1,0 +1,146 @@
+"""fastops.accelerate(fused_loss=True) on real HF transformers models: the same loss and gradients as the model's
+own head and loss, without logits; heads that do more than a linear map are left alone."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import fastops
+from fastops.accelerate import _fused_loss
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(vocab=300, **extra):
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **extra)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _bert(vocab=300):
+    cfg = transformers.BertConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, max_position_embeddings=64)
+    return transformers.BertForMaskedLM(cfg)
+
+
+def _batch(vocab, masked, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (3, 16), generator=g)
+    labels = ids.clone()
+    if masked:  # masked LM: about 15% of the positions carry a label
+        labels[torch.rand(ids.shape, generator=g) > 0.15] = -100
+    return ids, labels
+
+
+def _run(model, ids, labels, precision, fused, **kw):
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, _ = fastops.accelerate(model, opt, precision=precision, fused_loss=fused, device="cpu", **kw)
+    torch.manual_seed(1)  # BERT's dropout draws the same masks in both runs
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+# fp32: the fused op sums a row's exponentials in another order, so the loss agrees to a few fp32 roundings of a
+# log-sum-exp over V=300 terms (2e-6 relative is ~16 ulp); a gradient element sums over the 48 rows of the batch
+# in another order, so 48 u = 3e-6 of the largest gradient, 4e-6 with rounding of the sum. Measured: 8e-8 and
+# 2e-7. bf16: both sides round logits to bf16 (autocast) and compute the loss in fp32; the fused op's matmul
+# runs on chunks of rows, whose fp32 accumulation may round a logit to the neighbouring bf16 value: a loss moves
+# by at most that half-ulp (2^-9 of a logit, 4e-3 at |logit| <= 2) and a softmax term by its relative change,
+# 8e-3 of the largest gradient for two such roundings. Measured here: bitwise equal.
+TOL = {"fp32": (2e-6, 4e-6), "bf16": (4e-3, 8e-3)}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["llama", "bert"])
+def test_same_loss_and_grads_as_the_models_own(kind, precision):
+    torch.manual_seed(0)
+    model = _llama() if kind == "llama" else _bert()
+    model.train()
+    ids, labels = _batch(300, masked=(kind == "bert"))
+    plain, g_plain = _run(model, ids, labels, precision, fused=False)
+    fused, g_fused = _run(model, ids, labels, precision, fused=True)
+    assert plain.logits is not None and fused.logits is None
+    loss_tol, grad_tol = TOL[precision]
+    torch.testing.assert_close(fused.loss, plain.loss, rtol=loss_tol, atol=0)
+    assert g_fused.keys() == g_plain.keys()
+    # Relative to the model's largest gradient: some are zero up to rounding (BERT's key bias: softmax ignores it).
+    scale = max(g.abs().max() for g in g_plain.values())
+    for name, g in g_plain.items():
+        err = (g_fused[name] - g).abs().max() / scale
+        assert err <= grad_tol, f"{name}: {err:.2e}"
+
+
+def test_tied_embeddings_get_both_gradients():
+    torch.manual_seed(0)
+    model = _llama(tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids, labels = _batch(300, masked=False)
+    plain, g_plain = _run(model, ids, labels, "fp32", fused=False)
+    fused, g_fused = _run(model, ids, labels, "fp32", fused=True)
+    name = "model.embed_tokens.weight"
+    torch.testing.assert_close(g_fused[name], g_plain[name], rtol=1e-5, atol=1e-5 * g_plain[name].abs().max())
+
+
+def test_grad_accumulation_takes_hf_num_items_in_batch():
+    """HF's loss with num_items_in_batch sums and divides by the whole accumulated batch's label count: the
+    fused path must give that, not a mean per micro-batch."""
+    torch.manual_seed(0)
+    model = _llama().train()
+    ids, labels = _batch(300, masked=True)
+    n = (labels[:, 1:] != -100).sum()
+    plain = copy.deepcopy(model)(input_ids=ids, labels=labels, num_items_in_batch=n * 3).loss
+    opt = torch.optim.AdamW(model.parameters())
+    fused_model, _, _ = fastops.accelerate(model, opt, precision="fp32", fused_loss=True, device="cpu")
+    fused = fused_model(input_ids=ids, labels=labels, num_items_in_batch=n * 3).loss
+    torch.testing.assert_close(fused, plain, rtol=2e-6, atol=0)
+
+
+def test_without_labels_or_in_eval_the_model_runs_as_before():
+    torch.manual_seed(0)
+    model = _llama()
+    ids, labels = _batch(300, masked=False)
+    opt = torch.optim.AdamW(model.parameters())
+    ref = copy.deepcopy(model)
+    model, _, _ = fastops.accelerate(model, opt, precision="fp32", fused_loss=True, device="cpu")
+    out = model(input_ids=ids)
+    assert type(out.logits) is torch.Tensor
+    torch.testing.assert_close(out.logits, ref(input_ids=ids).logits)
+    model.eval()
+    out = model(input_ids=ids, labels=labels)
+    assert type(out.logits) is torch.Tensor and out.loss is not None
+
+
+def test_other_uses_of_the_logits_get_the_real_ones():
+    x = torch.randn(4, 5, 8, requires_grad=True)
+    w = torch.randn(11, 8, requires_grad=True)
+    stand = _fused_loss._Logits(x, w, None, torch.float32)
+    assert stand.shape == (4, 5, 11) and stand.dtype == torch.float32 and stand.requires_grad
+    capped = torch.tanh(stand / 30.0) * 30.0  # Gemma 2's soft-capping, say: computed on the real logits
+    torch.testing.assert_close(capped, torch.tanh(x @ w.T / 30.0) * 30.0)
+    assert type(capped) is torch.Tensor
+    t = torch.randint(0, 11, (20,))
+    weighted = torch.nn.functional.cross_entropy(stand.view(-1, 11), t, weight=torch.rand(11))
+    assert type(weighted) is torch.Tensor and weighted.requires_grad
+
+
+def test_heads_that_do_more_than_a_linear_map_are_left_alone():
+    torch.manual_seed(0)
+    model = _llama()
+    model.config.final_logit_softcapping = 30.0
+    opt = torch.optim.AdamW(model.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, _, _ = fastops.accelerate(model, opt, precision="fp32", fused_loss=True, device="cpu")
+    assert any("final_logit_softcapping" in str(w.message) for w in caught)
+    ids, labels = _batch(300, masked=False)
+    assert model(input_ids=ids, labels=labels).logits is not None
+
+
+def test_fused_loss_must_be_a_bool():
+    with pytest.raises(ValueError, match="fused_loss must be True or False"):
+        fastops.Accelerator(fused_loss="auto")
