@@ -1,6 +1,6 @@
-"""End-to-end training step time of the seed's three models, taken from their own libraries: torchvision's
-``resnet50`` and ``maskrcnn_resnet50_fpn`` and HF transformers' ``BertForMaskedLM``; small sizes on the CPU, the
-full configs with ``--device cuda`` (CASES below). Trained by
+"""End-to-end training step time of real models, taken from their own libraries (``train_cases.py``):
+torchvision's ``resnet50`` and ``maskrcnn_resnet50_fpn``, HF transformers' ``BertForMaskedLM`` and
+``LlamaForCausalLM``; small sizes on the CPU, larger configs with ``--device cuda``. Trained by
 
 - torch fp32: the plain loop with torch's default optimizer for the model: SGD with momentum 0.9 and weight
   decay 1e-4 for the vision models (torchvision's reference recipe, learning rate scaled to the batch as
@@ -10,6 +10,9 @@ full configs with ``--device cuda`` (CASES below). Trained by
 - HF Accelerate bf16: ``Accelerator(mixed_precision="bf16", cpu=<device is the CPU>)``,
   ``accelerator.prepare(model, optimizer, loader)`` and ``accelerator.backward(loss)``, as HF documents a plain
   loop; the user's optimizer is kept as it is;
+- torch.compile recipe: the AMP recipe with ``torch.compile(model)``, the strongest peer a user has;
+- fastops compile=True, fastops fused_loss: ``fastops.accelerate`` with regional compilation, and with the fused
+  linear-cross-entropy loss on top for the language models;
 - fastops.accelerate: the one line (precision "auto": bf16 where the device has it natively), the loop unchanged.
 
 Fair by construction: every provider gets the same initial weights (seeded), the same batches through a
@@ -21,7 +24,7 @@ the CPU, a process-wide setting that must not reach the others), ``--blocks`` ti
 turns, so load from other processes hits them alike; medians with 20/80% quantiles over the timed steps of
 all runs. Loss curves are compared at the end (see loss_check); a mismatch gives exit status 1.
 
-    python benchmarks/bench_train.py                        # all three models on the CPU (not yet timed on idle cores)
+    python benchmarks/bench_train.py                        # every model on the CPU
     python benchmarks/bench_train.py --quick                # smoke run (841 s with --rounds 2 at a load of 4-8 on 2 cores)
     python benchmarks/bench_train.py --quick --device cuda  # full configs on a GPU
     python benchmarks/bench_train.py --models bert --rounds 6 --profile 2 --out scratch_train
@@ -40,7 +43,6 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import record_function
 from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader
@@ -52,106 +54,18 @@ from fastops.accelerate import accelerate  # noqa: E402
 
 # The seed's claims against plain fp32 (README), and the targets on the CPU: fastops beats each claim and is
 # at least HF_TARGET x HF Accelerate bf16.
-CLAIMS = {"resnet": 1.30, "maskrcnn": 1.40, "bert": 1.20}
+CLAIMS = {"resnet": 1.30, "maskrcnn": 1.40, "bert": 1.20, "llama": 1.20}
 HF_TARGET = 1.1
 # Loss checks over the last LOSS_TAIL steps (mean of |loss - loss_ref| / loss_ref at the same steps); the
 # measurements behind the tolerances are in loss_check's docstring.
 LOSS_TAIL = 5
 FP32, AMP_REF, HF, FASTOPS = "torch fp32", "torch AMP recipe", "HF Accelerate bf16", "fastops.accelerate"
+COMPILE, FASTOPS_COMPILE, FASTOPS_FUSED = "torch.compile recipe", "fastops compile=True", "fastops fused_loss"
 SAME_RECIPE_RTOL = 2e-3  # a bf16 provider against torch's own bf16 autocast recipe
 BF16_VS_FP32_RTOL = 5e-2  # torch's bf16 recipe against fp32
 
-# ---- the models, from their own libraries -------------------------------------------------------------------
+from train_cases import CASES  # noqa: E402
 
-
-def _sgd(lr: float):
-    return lambda params, **kw: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-4, **kw)
-
-
-def resnet_case(cuda: bool) -> dict:
-    """torchvision's ImageNet recipe: SGD lr 0.1 per 256 images, momentum 0.9, weight decay 1e-4."""
-    import torchvision
-
-    batch, size = (64, 224) if cuda else (8, 96)
-
-    def batches(n, g):
-        return [(torch.randn(batch, 3, size, size, generator=g), torch.randint(1000, (batch,), generator=g))
-                for _ in range(n)]  # fmt: skip
-
-    def loss_fn(model, batch):
-        x, y = batch
-        return F.cross_entropy(model(x), y)
-
-    return dict(name=f"resnet50 b{batch} {size}x{size}", make=lambda: torchvision.models.resnet50(weights=None),
-                opt=_sgd(0.1 * batch / 256), batches=batches, loss=loss_fn)  # fmt: skip
-
-
-def maskrcnn_case(cuda: bool) -> dict:
-    """torchvision's COCO recipe: SGD lr 0.02 per 16 images, momentum 0.9, weight decay 1e-4; images resized
-    to min_size (800 there; 160 on the CPU, where a step at 256 took 36 s under a load of 8 on 2 cores)."""
-    import torchvision
-
-    batch, (h, w), min_size, max_size = (2, (480, 640), 800, 1333) if cuda else (2, (160, 224), 160, 224)
-
-    def batches(n, g):
-        out = []
-        for _ in range(n):
-            images, targets = [], []
-            for _ in range(batch):
-                k = 3  # objects per image
-                xy = torch.rand(k, 2, generator=g) * torch.tensor([w / 2, h / 2])
-                boxes = torch.cat([xy, xy + 16 + torch.rand(k, 2, generator=g) * torch.tensor([w / 3, h / 3])], 1)
-                masks = torch.zeros(k, h, w, dtype=torch.uint8)
-                for j, (x0, y0, x1, y1) in enumerate(boxes.long().tolist()):
-                    masks[j, y0:y1, x0:x1] = 1
-                images.append(torch.rand(3, h, w, generator=g))
-                targets.append({"boxes": boxes, "labels": torch.randint(1, 91, (k,), generator=g), "masks": masks})
-            out.append((images, targets))
-        return out
-
-    def loss_fn(model, batch):
-        images, targets = batch
-        return sum(model(images, targets).values())  # train mode: a dict of losses, which the user sums
-
-    def make():
-        return torchvision.models.detection.maskrcnn_resnet50_fpn(
-            weights=None, weights_backbone=None, min_size=min_size, max_size=max_size
-        )
-
-    return dict(name=f"maskrcnn_resnet50_fpn b{batch} {min_size}/{max_size}", make=make, opt=_sgd(0.02 * batch / 16),
-                batches=batches, loss=loss_fn)  # fmt: skip
-
-
-def bert_case(cuda: bool) -> dict:
-    """HF's BertForMaskedLM: bert-base (BertConfig's defaults) on CUDA, 4 x 256 with an 8192 vocabulary on the
-    CPU; AdamW lr 1e-4, weight decay 0.01, dropout 0.1 as configured."""
-    from transformers import BertConfig, BertForMaskedLM
-
-    if cuda:
-        batch, seq, cfg = 32, 128, BertConfig()
-    else:
-        batch, seq = 16, 128
-        cfg = BertConfig(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                         intermediate_size=1024)  # fmt: skip
-
-    def batches(n, g):
-        out = []
-        for _ in range(n):
-            ids = torch.randint(1000, cfg.vocab_size, (batch, seq), generator=g)
-            mask = torch.rand(batch, seq, generator=g) < 0.15  # MLM: predict 15% of the tokens
-            out.append({"input_ids": ids.masked_fill(mask, 103), "labels": ids.masked_fill(~mask, -100)})
-        return out
-
-    def loss_fn(model, batch):
-        return model(**batch).loss
-
-    return dict(name=f"BertForMaskedLM {cfg.num_hidden_layers}x{cfg.hidden_size} b{batch} s{seq}",
-                make=lambda: BertForMaskedLM(cfg),
-                opt=lambda params, **kw: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, **kw),
-                batches=batches, loss=loss_fn)  # fmt: skip
-
-
-CASES = {"resnet": resnet_case, "maskrcnn": maskrcnn_case, "bert": bert_case}
 
 
 # ---- data ------------------------------------------------------------------------------------------------
@@ -206,15 +120,28 @@ def hf_accelerate_bf16(case, model, loader, device):
     return _steps(model, opt, loader, case["loss"], device, backward=acc.backward)
 
 
-def fastops_accelerate(case, model, loader, device):
-    model, opt, loader = accelerate(model, case["opt"](model.parameters()), loader, device=device)
-    # precision="auto" picks fp32 on a CPU without native bf16; the loss check then compares it with fp32.
-    fastops_accelerate.precision = opt.accelerator.precision
-    fastops_accelerate.optimizer = f"{type(opt).__module__}.{type(opt).__name__}"
-    return _steps(model, opt, loader, case["loss"], device)
+def torch_compile_recipe(case, model, loader, device):
+    """The strongest peer a user has: torch.compile of the whole model, bf16 autocast, torch's fused AdamW/SGD."""
+    model.to(device)
+    opt = case["opt"](model.parameters(), fused=True)
+    return _steps(torch.compile(model), opt, loader, case["loss"], device, amp_dtype=torch.bfloat16)
 
 
-PROVIDERS = {FP32: torch_fp32, AMP_REF: torch_amp, HF: hf_accelerate_bf16, FASTOPS: fastops_accelerate}
+def _fastops(**options):
+    def provider(case, model, loader, device):
+        extra = {k: v for k, v in options.items() if k != "fused_loss" or case.get("lm")}
+        model, opt, loader = accelerate(model, case["opt"](model.parameters()), loader, device=device, **extra)
+        # precision="auto" picks fp32 on a CPU without native bf16; the loss check then compares it with fp32.
+        provider.precision = opt.accelerator.precision
+        provider.optimizer = f"{type(opt).__module__}.{type(opt).__name__}"
+        return _steps(model, opt, loader, case["loss"], device)
+
+    return provider
+
+
+PROVIDERS = {FP32: torch_fp32, AMP_REF: torch_amp, HF: hf_accelerate_bf16, COMPILE: torch_compile_recipe,
+             FASTOPS: _fastops(), FASTOPS_COMPILE: _fastops(compile=True),
+             FASTOPS_FUSED: _fastops(fused_loss=True, compile=True)}
 
 
 def _start(case: dict, label: str, steps: int, device: str):
@@ -235,7 +162,13 @@ def run_provider(case: dict, label: str, steps: int, device: str) -> dict:
     times = common.time_samples(lambda: losses.append(next(it).item()), device, steps, warmup=0, reset=reseed)
     it.close()
     make = PROVIDERS[label]
-    return {"times": times, "losses": losses, "precision": getattr(make, "precision", "fp32" if label == FP32 else "bf16"),
+    if torch.device(device).type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:  # the process's peak resident set: each provider runs in a process of its own
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"times": times, "losses": losses, "peak_mem_mib": round(peak, 1), "precision": getattr(make, "precision", "fp32" if label == FP32 else "bf16"),
             "optimizer": getattr(make, "optimizer", None)}  # fmt: skip
 
 
@@ -252,6 +185,8 @@ def run_case(model_key: str, labels: list[str], rounds: int, warmup: int, blocks
     losses: dict[str, list[float]] = {}
     info: dict[str, dict] = {}
     rerun_diff = {label: 0.0 for label in labels}
+    first_ms: dict[str, float] = {}
+    peak_mib: dict[str, float] = {}
 
     def run(label: str) -> list[float]:
         out = _in_process(model_key, label, rounds + warmup, device)
@@ -262,6 +197,8 @@ def run_case(model_key: str, labels: list[str], rounds: int, warmup: int, blocks
             rerun_diff[label] = max(rerun_diff[label], diff)
         else:
             losses[label], info[label] = out["losses"], out
+        first_ms.setdefault(label, out["times"][0])  # with compile providers: the compile time
+        peak_mib[label] = max(peak_mib.get(label, 0.0), out["peak_mem_mib"])
         return out["times"][warmup:]
 
     samples = common.interleaved({label: (lambda label=label: run(label)) for label in labels}, blocks)
@@ -273,9 +210,12 @@ def run_case(model_key: str, labels: list[str], rounds: int, warmup: int, blocks
         tail_rel_diff_vs_fp32=float(f"{check[label]['rel_diff_fp32']:.3g}"),
         tail_rel_diff_vs_amp=float(f"{check[label].get('rel_diff_amp', float('nan')):.3g}"),
         loss_check="; ".join(check[label]["fail"]) or "ok", rerun_loss_rel_diff=float(f"{rerun_diff[label]:.3g}"),
+        first_step_ms=round(first_ms[label], 1), peak_mem_mib=peak_mib[label],
     ) for label, xs in samples.items()]  # fmt: skip
     common.speedup_vs(rows, FP32, "speedup_vs_fp32")
     common.speedup_vs(rows, HF, "vs_hf_accelerate")
+    if COMPILE in samples:
+        common.speedup_vs(rows, COMPILE, "vs_torch_compile")
     return rows, losses
 
 
@@ -345,10 +285,11 @@ def main() -> int:
         all_losses[name] = losses
         for r in case_rows:
             vs_hf = f"{r['vs_hf_accelerate']:5.2f}x HF" if "vs_hf_accelerate" in r else ""
+            vs_hf += f" {r['vs_torch_compile']:5.2f}x compile" if "vs_torch_compile" in r else ""
             print(f"  {r['provider']:20s} {r['ms']:8.1f} ms [{r['ms_q20']:.1f}, {r['ms_q80']:.1f}]  "
-                  f"{r['speedup_vs_fp32']:5.2f}x fp32 {vs_hf}  loss {r['first_loss']:.4f} -> {r['tail_loss']:.4f} "
+                  f"{r['speedup_vs_fp32']:5.2f}x fp32 {vs_hf}  first step {r['first_step_ms']:.0f} ms, peak {r['peak_mem_mib']:.0f} MiB  loss {r['first_loss']:.4f} -> {r['tail_loss']:.4f} "
                   f"(last {LOSS_TAIL}: {r['tail_rel_diff_vs_fp32']:.1e} from fp32, "
-                  f"{r['tail_rel_diff_vs_amp']:.1e} from the AMP recipe)  {r['optimizer'] or ''}", flush=True)  # fmt: skip
+                  f"{r['tail_rel_diff_vs_amp']:.1e} from the AMP recipe)  {r['optimizer'] or ''}".replace("nan from", "- from"), flush=True)  # fmt: skip
         fo = next((r for r in case_rows if r["provider"] == FASTOPS), None)
         if fo:
             claim, hf = CLAIMS[key], fo.get("vs_hf_accelerate")

@@ -62,6 +62,9 @@ COLUMNS = {
     "tail_rel_diff_vs_fp32": "mean |loss - torch fp32's| / torch fp32's over the last loss-check steps",
     "tail_rel_diff_vs_amp": "the same against torch's AMP recipe", "loss_check": "ok, or the failed checks",
     "rerun_loss_rel_diff": "largest relative loss difference between runs of the same provider",
+    "vs_torch_compile": "the torch.compile recipe's ms at the same size / this row's ms",
+    "first_step_ms": "wall time of the first training step of the provider's first run, compile time included",
+    "peak_mem_mib": "peak memory of the provider's process: resident set on the CPU, max_memory_allocated on CUDA",
     "step": "the training step's index (0 is the first)", "loss": "the training loss at that step",
 }
 
