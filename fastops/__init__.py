@@ -14,6 +14,7 @@ from . import _ops, amp, optim  # noqa: F401  (_ops registers torch.ops.fastops.
 from .amp import clip_grad_norm_
 from ._patch import patch, patched, unpatch
 from .accelerate import Accelerator, accelerate
+from ._lce import linear_cross_entropy  # noqa: F401  (registers torch.ops.fastops.linear_cross_entropy)
 
 __version__ = "0.1.0"
 __all__ = ["optim", "amp", "data", "accelerate", "Accelerator", "clip_grad_norm_", "patch", "unpatch", "patched"]
