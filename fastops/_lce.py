@@ -97,9 +97,9 @@ def _labeled(x2, target1, ignore_index, vocab):
 _warned_missing: set[str] = set()
 
 
-def _pass_for(device_type: str):
+def _pass_for(device_type: str, dtype: torch.dtype = torch.float32):
     name = _backend.active(device_type)
-    if name == "reference":
+    if name == "reference" or dtype == torch.float64:  # the kernels take fp32/bf16/fp16; fp64 is the reference's
         return reference_pass
     fn = getattr(_backend._chosen[device_type][1], "linear_ce_pass", None)
     if fn is not None:
@@ -163,7 +163,7 @@ def _forward_impl(x, weight, target, bias, ignore_index, reduction, label_smooth
     m = xl.shape[0]
     scale = 1.0 / m if reduction == "mean" and m else 1.0
     if m:
-        loss_rows, gxl, gw, gb = _pass_for(x.device.type)(xl.contiguous(), weight.contiguous(),
+        loss_rows, gxl, gw, gb = _pass_for(x.device.type, x.dtype)(xl.contiguous(), weight.contiguous(),
                                                           None if bias is None else bias.contiguous(),
                                                           tl, float(label_smoothing), scale, None, with_grad)
     else:
@@ -201,7 +201,7 @@ def _backward_impl(grad_loss, x, weight, target, bias, ignore_index, reduction, 
     if not m:
         gb = weight.new_zeros((v,) if bias is not None else (0,))
         return x.new_zeros(x.shape), weight.new_zeros(weight.shape), gb
-    _, gxl, gw, gb = _pass_for(x.device.type)(xl.contiguous(), weight.contiguous(),
+    _, gxl, gw, gb = _pass_for(x.device.type, x.dtype)(xl.contiguous(), weight.contiguous(),
                                               None if bias is None else bias.contiguous(),
                                               tl, float(label_smoothing), scale, grad_rows, True)
     gx = gxl if idx is None else x2.new_zeros(x2.shape).index_copy_(0, idx, gxl)

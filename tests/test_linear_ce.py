@@ -25,7 +25,7 @@ import fastops
 from fastops import _backend, _lce
 from tests.rounding import FACTOR, FLOOR, rel_err
 
-BACKENDS = ("reference",)
+BACKENDS = ("reference", "triton")
 U_BF16 = 2.0**-8  # bf16's ulp at 1 (8 significant bits: 2^-8 spacing, half of it the rounding error)
 
 
