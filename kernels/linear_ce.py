@@ -15,8 +15,6 @@ import triton.language as tl
 
 from ._common import TL_DTYPE
 
-# Logit elements per chunk, as fastops/_lce.py's CHUNK_ELEMENTS.
-CHUNK_ELEMENTS = 1 << 20
 BLOCK = 1024
 
 
@@ -68,7 +66,7 @@ def _rows(buf, target, grad_rows, loss, scale, eps, with_grad):
     )
 
 
-def linear_ce_pass(x, weight, bias, target, label_smoothing, scale, grad_rows, with_grad):
+def linear_ce_pass(x, weight, bias, target, label_smoothing, scale, grad_rows, with_grad, chunk_rows):
     m, h = x.shape
     v = weight.shape[0]
     interp = x.device.type == "cpu"
@@ -78,7 +76,7 @@ def linear_ce_pass(x, weight, bias, target, label_smoothing, scale, grad_rows, w
     gb = torch.zeros((v,) if with_grad and bias is not None else (0,), dtype=torch.float32, device=x.device)
     target = target.contiguous()
     grad_rows = None if grad_rows is None else grad_rows.float().contiguous()
-    step = max(1, CHUNK_ELEMENTS // max(v, 1))
+    step = max(1, chunk_rows)  # fastops/_lce.py sizes the chunks for every backend
     for s in range(0, m, step):
         xc = x[s:s + step]
         logits = torch.addmm(bias, xc, weight.t()) if bias is not None else xc @ weight.t()
