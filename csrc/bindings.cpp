@@ -46,6 +46,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   cpp.def("cpu_cache_empty", &fastops::cpu::cpu_cache_empty, "Give every cached CPU block back to the OS.");
 
+  cpp.def("linear_ce_pass", &fastops::cpu::linear_ce_pass, py::arg("x"), py::arg("weight"), py::arg("bias"),
+          py::arg("target"), py::arg("label_smoothing"), py::arg("scale"), py::arg("grad_rows"), py::arg("with_grad"),
+          py::arg("chunk_rows") = 0, py::call_guard<py::gil_scoped_release>());
+
 #ifdef WITH_CUDA
   m.attr("WITH_CUDA") = true;
   fastops::cuda::register_bindings(m.def_submodule("cuda", "CUDA kernels (csrc/cuda)"));

@@ -84,3 +84,16 @@ void register_bindings(pybind11::module_ m);
 }  // namespace cuda
 
 }  // namespace fastops
+
+#include <tuple>
+
+namespace fastops {
+namespace cpu {
+// linear_cross_entropy's pass over labeled rows (csrc/cpu/linear_ce.cpp; the contract: fastops/_lce.py):
+// (loss per row in fp32, grad_x, grad_weight, grad_bias), the grads empty unless with_grad. chunk_rows <= 0: auto.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_pass(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& target,
+    double label_smoothing, double scale, const std::optional<at::Tensor>& grad_rows, bool with_grad,
+    int64_t chunk_rows);
+}  // namespace cpu
+}  // namespace fastops

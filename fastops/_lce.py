@@ -14,7 +14,7 @@ row's incoming gradient in the forward, so its backward (``linear_cross_entropy_
 logits chunk by chunk.
 
 Backends implement one function, ``linear_ce_pass(x, weight, bias, target, label_smoothing, scale, grad_rows,
-with_grad) -> (loss_rows, grad_x, grad_weight, grad_bias)`` on labeled rows only (every target valid): the
+with_grad, chunk_rows) -> (loss_rows, grad_x, grad_weight, grad_bias)`` on labeled rows only (every target valid): the
 reference below, ``fastops._C.cpp`` (csrc/cpu/linear_ce.cpp) and ``fastops.kernels`` (kernels/linear_ce.py).
 A row's gradient is that of ``loss_row * scale * grad_rows[row]`` (``grad_rows`` may be None: 1).
 """
@@ -28,9 +28,11 @@ import torch
 from . import _backend
 
 REDUCTIONS = ("none", "mean", "sum")
-# Chunk logits budget in elements. Measured on the 2-core Zen 5 machine, 1 thread, bf16, H=256, V=32000, N=2048
-# (benchmarks/bench_loss.py): see _chunk_rows.
-CHUNK_ELEMENTS = 1 << 20
+# Logit elements per chunk of rows, handed to every backend (chunk_rows). The matmuls want many rows: measured on
+# the 2-core Zen 5 machine (1 thread, bf16, N=2048, H=256, V=32000, forward + grads, under load from other jobs):
+# 32 rows 1664 ms, 128 rows 1438, 256 rows 1291, 512 rows 1357. 2^23 gives 262 rows at V=32000: 16 MiB of bf16
+# logits (L3 is 32 MiB), far below the 375 MiB of one set of eager's fp32-sized logits at this size.
+CHUNK_ELEMENTS = 1 << 23
 
 _lib = torch.library.Library("fastops", "FRAGMENT")
 _lib.define(
@@ -97,9 +99,9 @@ def _labeled(x2, target1, ignore_index, vocab):
 _warned_missing: set[str] = set()
 
 
-def _pass_for(device_type: str):
+def _pass_for(device_type: str, dtype: torch.dtype = torch.float32):
     name = _backend.active(device_type)
-    if name == "reference":
+    if name == "reference" or dtype == torch.float64:  # the kernels take fp32/bf16/fp16; fp64 is the reference's
         return reference_pass
     fn = getattr(_backend._chosen[device_type][1], "linear_ce_pass", None)
     if fn is not None:
@@ -113,7 +115,7 @@ def _pass_for(device_type: str):
     return reference_pass
 
 
-def reference_pass(x, weight, bias, target, label_smoothing, scale, grad_rows, with_grad):
+def reference_pass(x, weight, bias, target, label_smoothing, scale, grad_rows, with_grad, chunk_rows=0):
     """The oracle and fallback (pure PyTorch, chunked). x: (M, H) labeled rows, target: (M,) valid classes."""
     m, h = x.shape
     v = weight.shape[0]
@@ -122,7 +124,7 @@ def reference_pass(x, weight, bias, target, label_smoothing, scale, grad_rows, w
     gw = torch.zeros((v, h) if with_grad else (0,), dtype=torch.float32, device=x.device)
     gb = torch.zeros((v,) if with_grad and bias is not None else (0,), dtype=torch.float32, device=x.device)
     eps = label_smoothing
-    step = _chunk_rows(v)
+    step = chunk_rows if chunk_rows > 0 else _chunk_rows(v)
     for s in range(0, m, step):
         xc, tc = x[s:s + step], target[s:s + step]
         logits = torch.addmm(bias, xc, weight.t()) if bias is not None else xc @ weight.t()
@@ -163,9 +165,9 @@ def _forward_impl(x, weight, target, bias, ignore_index, reduction, label_smooth
     m = xl.shape[0]
     scale = 1.0 / m if reduction == "mean" and m else 1.0
     if m:
-        loss_rows, gxl, gw, gb = _pass_for(x.device.type)(xl.contiguous(), weight.contiguous(),
+        loss_rows, gxl, gw, gb = _pass_for(x.device.type, x.dtype)(xl.contiguous(), weight.contiguous(),
                                                           None if bias is None else bias.contiguous(),
-                                                          tl, float(label_smoothing), scale, None, with_grad)
+                                                          tl, float(label_smoothing), scale, None, with_grad, _chunk_rows(v))
     else:
         loss_rows = x.new_zeros(0, dtype=torch.float32)
         gxl = x.new_zeros((0, h) if with_grad else (0,))
@@ -201,9 +203,9 @@ def _backward_impl(grad_loss, x, weight, target, bias, ignore_index, reduction, 
     if not m:
         gb = weight.new_zeros((v,) if bias is not None else (0,))
         return x.new_zeros(x.shape), weight.new_zeros(weight.shape), gb
-    _, gxl, gw, gb = _pass_for(x.device.type)(xl.contiguous(), weight.contiguous(),
+    _, gxl, gw, gb = _pass_for(x.device.type, x.dtype)(xl.contiguous(), weight.contiguous(),
                                               None if bias is None else bias.contiguous(),
-                                              tl, float(label_smoothing), scale, grad_rows, True)
+                                              tl, float(label_smoothing), scale, grad_rows, True, _chunk_rows(v))
     gx = gxl if idx is None else x2.new_zeros(x2.shape).index_copy_(0, idx, gxl)
     return gx.reshape(x.shape), gw, gb
 

@@ -14,6 +14,9 @@ carries the rounding of its logit's softmax term (p * 2 * 2^-8 |z|max relative) 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -25,12 +28,18 @@ import fastops
 from fastops import _backend, _lce
 from tests.rounding import FACTOR, FLOOR, rel_err
 
-BACKENDS = ("reference",)
+BACKENDS = ("reference", "cpp", "triton")
+FAST_BACKENDS = ("reference", "cpp")  # the hypothesis sweep; Triton (the interpreter) is slow
 U_BF16 = 2.0**-8  # bf16's ulp at 1 (8 significant bits: 2^-8 spacing, half of it the rounding error)
 
 
+# Small chunks, so that every test goes through several of them (the default holds 262 rows of a 32k vocabulary).
+SMALL_CHUNK = 1 << 14
+
+
 @pytest.fixture(params=BACKENDS)
-def backend(request):
+def backend(request, monkeypatch):
+    monkeypatch.setattr(_lce, "CHUNK_ELEMENTS", SMALL_CHUNK)
     with _backend.use("cpu", request.param):
         if request.param != "reference":  # a backend without the op must fail here, not fall back quietly
             assert _lce._pass_for("cpu") is not _lce.reference_pass
@@ -162,8 +171,9 @@ def test_recompute_backward_equals_fused(backend):
 def test_hypothesis_fp32(n, h, v, labeled, reduction, eps, bias, seed, ignore):
     x, w, b, t = _inputs(n, h, v, labeled=labeled, bias=bias, seed=seed)
     t = torch.where(t == -100, torch.full_like(t, ignore), t)
-    for name in BACKENDS:
-        with _backend.use("cpu", name):
+    for name in FAST_BACKENDS:
+        with _backend.use("cpu", name), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_lce, "CHUNK_ELEMENTS", SMALL_CHUNK)
             _assert_fp32(x, w, b, t, reduction=reduction, label_smoothing=eps, ignore_index=ignore)
 
 
@@ -229,3 +239,22 @@ def test_bad_options_raise():
         fastops.linear_cross_entropy(x, w, t, reduction="avg")
     with pytest.raises(ValueError, match="label_smoothing must be in"):
         fastops.linear_cross_entropy(x, w, t, label_smoothing=1.5)
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_cpp_row_pass_of_every_isa(capability):
+    """The C++ row pass is compiled once per ISA and picked at load time: the narrower copies, in a fresh process
+    (FASTOPS_CPU_CAPABILITY lowers the pick), pass the fp32 and bf16 parity checks too."""
+    code = (
+        "import torch, tests.test_linear_ce as T; from fastops import _backend, _C\n"
+        f"assert _C.cpu_capability() in ({capability!r}, 'default'), _C.cpu_capability()\n"
+        "T._lce.CHUNK_ELEMENTS = T.SMALL_CHUNK\n"
+        "with _backend.use('cpu', 'cpp'):\n"
+        "    T._assert_fp32(*T._inputs(70, 24, 997), reduction='mean', label_smoothing=0.1)\n"
+        "    T._assert_fp32(*T._inputs(70, 24, 997), reduction='none')\n"
+        "    T.test_bf16_parity('cpp', 'mean', 0.1)\n"
+    )
+    env = {**os.environ, "FASTOPS_CPU_CAPABILITY": capability}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]

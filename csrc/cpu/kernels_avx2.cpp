@@ -16,5 +16,6 @@
 #define FASTOPS_HAVE_F16C 1
 #define FASTOPS_HAVE_AVX512 0
 #include "kernels_isa.h"
+#include "ce_isa.h"
 #pragma GCC pop_options
 #endif

@@ -38,3 +38,4 @@
 #define FASTOPS_HAVE_AVX512 0
 #endif
 #include "kernels_isa.h"
+#include "ce_isa.h"

@@ -1,0 +1,109 @@
+// linear_cross_entropy's row pass (log-sum-exp, loss, logits' gradient in place), compiled once per ISA:
+// kernels_<isa>.cpp includes this right after kernels_isa.h, under that file's target pragma and with its
+// FASTOPS_ISA_NS and FASTOPS_HAVE_* macros (kernels_isa.h's fmadd, as_float, as_bits are reused). Plain loops
+// with `#pragma omp simd`, as kernels_isa.h, and an exp GCC can vectorise (libm's expf is not).
+#include "ce_kernels.h"
+
+#define FASTOPS_CE_CAT2(a, b) a##b
+#define FASTOPS_CE_CAT(a, b) FASTOPS_CE_CAT2(a, b)
+
+namespace fastops {
+namespace cpu {
+namespace FASTOPS_ISA_NS {
+namespace {
+
+// exp(x) for the row pass, within 2 ulp of expf over [-87, 88] (Cephes' expf: x = n ln2 + r, |r| <= ln2/2,
+// a degree-6 polynomial for exp(r), n added to the exponent). Below -87 it returns exp(-87) (~2^-125.5): the
+// row pass only takes exp of z - max(z) <= 0, where that is far below the sum's rounding (>= 1 * 2^-24).
+__attribute__((always_inline)) inline float ce_exp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  const float t = fmadd(x, 1.44269504088896341f, 12582912.0f);  // 1.5 * 2^23: n = round(x / ln2) in t's low bits
+  const float n = t - 12582912.0f;
+  float r = fmadd(n, -0.693359375f, x);
+  r = fmadd(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = fmadd(p, r, 1.3981999507e-3f);
+  p = fmadd(p, r, 8.3334519073e-3f);
+  p = fmadd(p, r, 4.1665795894e-2f);
+  p = fmadd(p, r, 1.6666665459e-1f);
+  p = fmadd(p, r, 5.0000001201e-1f);
+  const float y = fmadd(p * r, r, r) + 1.0f;
+  return as_float(as_bits(y) + ((as_bits(t) - 0x4B400000u) << 23));
+}
+
+template <typename T>
+__attribute__((always_inline)) inline float ce_load(const T* p, int64_t j) {
+  if constexpr (sizeof(T) == 2) {
+    return as_float(uint32_t(p[j]) << 16);
+  } else {
+    return p[j];
+  }
+}
+
+template <typename T>
+__attribute__((always_inline)) inline T ce_store(float f) {
+  if constexpr (sizeof(T) == 2) {  // bf16, round to nearest even
+    const uint32_t u = as_bits(f);
+    return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  } else {
+    return f;
+  }
+}
+
+template <typename T>
+void ce_row(T* z, int64_t v, int64_t t, float c, float eps, bool with_grad, float* loss) {
+  float mx = -__builtin_inff();
+  float zsum = 0.0f;
+#pragma omp simd reduction(max : mx) reduction(+ : zsum)
+  for (int64_t j = 0; j < v; ++j) {
+    const float a = ce_load(z, j);
+    mx = a > mx ? a : mx;
+    zsum += a;
+  }
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t j = 0; j < v; ++j) {
+    s += ce_exp(ce_load(z, j) - mx);
+  }
+  const float lse = mx + __builtin_logf(s);
+  const float zt = ce_load(z, t);
+  // In log-probabilities, as torch: exactly 0 at V = 1.
+  float l = (1.0f - eps) * (lse - zt);
+  if (eps != 0.0f) {
+    l += eps * (lse - zsum / float(v));
+  }
+  *loss = l;
+  if (!with_grad) {
+    return;
+  }
+  const float off = eps / float(v);
+#pragma omp simd
+  for (int64_t j = 0; j < v; ++j) {
+    z[j] = ce_store<T>(c * (ce_exp(ce_load(z, j) - lse) - off));
+  }
+  z[t] = ce_store<T>(c * (ce_exp(zt - lse) - off - (1.0f - eps)));
+}
+
+void ce_rows(void* logits, Dtype dt, int64_t v, const int64_t* target, const float* row_grad, float scale,
+             float eps, bool with_grad, float* loss, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float c = row_grad != nullptr ? scale * row_grad[i] : scale;
+    if (dt == Dtype::kFloat) {
+      ce_row(static_cast<float*>(logits) + i * v, v, target[i], c, eps, with_grad, loss + i);
+    } else {
+      ce_row(static_cast<uint16_t*>(logits) + i * v, v, target[i], c, eps, with_grad, loss + i);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace FASTOPS_ISA_NS
+
+extern const CeKernels FASTOPS_CE_CAT(kCe_, FASTOPS_ISA_NS) = {FASTOPS_ISA_NAME, &FASTOPS_ISA_NS::ce_rows};
+
+}  // namespace cpu
+}  // namespace fastops
+
+#undef FASTOPS_CE_CAT
+#undef FASTOPS_CE_CAT2
