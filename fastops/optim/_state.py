@@ -3,12 +3,13 @@
 fastops keeps every state tensor in fp32 on the param's device, except Adam's exp_avg and exp_avg_sq, which follow
 the group's ``state_dtype``: ``"fp32"`` (torch's format), ``"bf16"``, or ``"8bit"`` (uint8 codes shaped like the
 param plus ``exp_avg_absmax``/``exp_avg_sq_absmax``, fp32, one per 256 elements in memory order; fastops/_quant.py).
-``load_state_dict`` converts the saved states, whatever their format, to the loading optimizer's; ``state_dict``
-saves 8-bit states of DTensor params decoded to fp32 DTensors.
+``load_state_dict`` checks the saved states (``check_saved``), then converts them, whatever their format, to the
+loading optimizer's; ``state_dict`` saves 8-bit states of DTensor params decoded to fp32 DTensors.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -121,12 +122,64 @@ def _new_moments(state: dict[str, Any], fmt: str, p: Tensor) -> None:
             state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
 
 
+def check_saved(saved: dict[str, Any], p: Tensor, where: str) -> None:
+    """Raises ValueError, naming the problem, for a saved state that would load as something other than what was
+    saved, or poison ``p`` at its next step: a negative or nan step (the bias correction 1 - beta**step goes
+    negative or nan: nan params), 8-bit codes that are not uint8 or not shaped like the param, an absmax that is
+    missing (a bare KeyError otherwise), not one fp32 per 256 codes, negative (sign-flipped moments that train
+    silently) or not finite (nan params), and float moments next to absmax keys (two formats mixed: they would load
+    as fp32 moments and the absmax be dropped)."""
+    step = saved.get("step")
+    if step is not None:
+        value = step.item() if isinstance(step, Tensor) and step.numel() == 1 else step
+        if isinstance(value, (int, float)) and not value >= 0:
+            raise ValueError(f"{where}: step is {value}; a step count is a number >= 0")
+    absmax_keys = [k for k in _ABSMAX if k in saved]
+    moments = {k: saved[k] for k in _MOMENTS if saved.get(k) is not None}
+    codes = [k for k, t in moments.items() if t.dtype == torch.uint8]
+    if not absmax_keys and not codes:
+        return  # fp32 or bf16 moments (or none): any float dtype converts
+    for key in _MOMENTS:
+        if key not in moments:
+            raise ValueError(f"{where}: 8-bit states need both exp_avg and exp_avg_sq; {key} is missing")
+    local_shape = tuple(_local(p).shape)
+    for key, absmax in zip(_MOMENTS, _ABSMAX):
+        t = moments[key]
+        if t.dtype != torch.uint8:
+            raise ValueError(
+                f"{where}: {key} is {t.dtype} next to {', '.join(absmax_keys) or 'uint8 codes'}: 8-bit states are "
+                f"uint8 codes with their absmax, so this mixes two formats; save and load one format (or drop the "
+                f"absmax keys of float moments)"
+            )
+        if tuple(_local(t).shape) != local_shape:
+            raise ValueError(f"{where}: 8-bit {key} has shape {tuple(_local(t).shape)}; its param's is {local_shape}")
+        if absmax not in saved:
+            raise ValueError(f"{where}: 8-bit {key} (uint8 codes) needs its {absmax} in the same state; it is missing")
+        a = _local(saved[absmax])
+        blocks = _quant.n_blocks(math.prod(local_shape))
+        if not isinstance(a, Tensor) or a.dtype != torch.float32 or a.dim() != 1 or a.numel() != blocks:
+            what = f"{a.dtype} of shape {tuple(a.shape)}" if isinstance(a, Tensor) else type(a).__name__
+            raise ValueError(f"{where}: {absmax} must be float32 of shape ({blocks},) (one per 256 codes), got {what}")
+        # A host read of the absmax (one per 256 elements): a load is a one-off.
+        if not bool(torch.isfinite(a).all()) or not bool((a >= 0).all()):
+            bad = a[~(torch.isfinite(a) & (a >= 0))][0].item()
+            raise ValueError(
+                f"{where}: {absmax} holds {bad}; a block's absmax is a finite number >= 0 (a negative one flips the "
+                f"sign of its moments, a nan or inf one makes nan params at the next step)"
+            )
+
+
 def load_pre_hook(opt, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Keeps the saved states aside: torch's
+    """Checks the saved states (nothing has changed yet when it raises) and keeps them aside: torch's
     load_state_dict casts every state tensor to the param's dtype, and fastops keeps fp32 states and fp32 masters
     for bf16/fp16 params, so the post hook restores the originals in fastops' layout."""
     saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     params = [p for g in opt.param_groups for p in g["params"]]
+    who = f"fastops.optim.{type(opt).__name__}.load_state_dict"
+    for i, p in zip(saved_ids, params):
+        saved = state_dict["state"].get(i)
+        if saved:
+            check_saved(saved, p, f"{who}: state[{i!r}]")
     opt._fastops_loading = [(p, state_dict["state"].get(i)) for i, p in zip(saved_ids, params)]
     groups = []
     sr_steps = [0]
