@@ -26,6 +26,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from . import _grads
+
 STRATEGIES = ("tp", "fsdp+tp", "pp")
 
 # HF transformers' plan strings (transformers/integrations/tensor_parallel.py) as torch ParallelStyles. "replicate"
@@ -177,11 +179,10 @@ def _replicas(p: Tensor, world: int, pp_size: int) -> int:
 
 
 def global_grad_stats(optimizer, mesh: DeviceMesh | None = None, group=None):
-    """Installs on a fastops fused optimizer the grad statistics of the whole mesh: the squared norm sums each
-    local grad weighted by 1/(ranks holding it), so a param replicated over TP (or DP) ranks counts once, then
-    sums over all ranks; max |g| and found_inf take the max. The clip and the fp16 skip then agree with one
-    process and across ranks."""
-    from . import amp
+    """Installs on a fastops fused optimizer, as its ``grad_stats_fn`` (fastops/optim/optimizer.py), the grad
+    statistics of the whole mesh: the squared norm sums each local grad weighted by 1/(ranks holding it), so a
+    param replicated over TP (or DP) ranks counts once, then sums over all ranks; max |g| and found_inf take the
+    max. The clip and the fp16 skip then agree with one process and across ranks."""
 
     world = dist.get_world_size(group)
     pp_size = _size(mesh, "pp") if mesh is not None else 1
@@ -198,7 +199,7 @@ def global_grad_stats(optimizer, mesh: DeviceMesh | None = None, group=None):
             if id(t) not in weight:
                 raise RuntimeError("global_grad_stats: a grad handed to the norm is not a param's grad")
             by_weight.setdefault(weight[id(t)], []).append(t)
-        parts = [(w, amp.grad_stats(ts, inv_scale)) for w, ts in by_weight.items()]
+        parts = [(w, _grads.grad_stats(ts, inv_scale)) for w, ts in by_weight.items()]
         if not parts:
             out = torch.zeros(3)
         else:

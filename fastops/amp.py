@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections import defaultdict
 from typing import Iterable
 
 import torch
@@ -23,9 +22,11 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import optimizer as _torch_optimizer
 from typing_extensions import deprecated
 
-from . import _backend, _ops
-from ._checks import FLOAT_DTYPES
-from ._checks import is_dense
+from . import _ops
+# grad_stats, clip_coef and unscale_grads_ are public here as before; they live in _grads, which optim reads too.
+from ._grads import by_device as _by_device
+from ._grads import clip_coef, grad_stats, unscale_grads_  # noqa: F401
+from ._grads import kernels_take as _kernels_take
 
 
 def _torch_original(module: str, name: str):
@@ -41,49 +42,6 @@ _TorchCpuGradScaler = _torch_original("torch.cpu.amp.grad_scaler", "GradScaler")
 _torch_clip_grad_norm_ = _torch_original("torch.nn.utils.clip_grad", "clip_grad_norm_")
 
 _NO_INF_CHECKS = "No inf checks were recorded for this optimizer."  # torch's GradScaler.step message
-
-
-def _kernels_take(t: Tensor) -> bool:
-    """Whether fastops' unscale_check_/grad_stats take this grad. Subclasses with their own dispatch
-    (DTensor) have no fastops rule, so only plain tensors qualify."""
-    # Called per grad on every unscale_: is_cpu/is_cuda cost 0.1 us against 0.5 us for t.device.type.
-    device_type = "cuda" if t.is_cuda else "cpu" if t.is_cpu else None
-    return (
-        type(t) in (Tensor, torch.nn.Parameter)
-        and t.layout == torch.strided
-        and t.dtype in FLOAT_DTYPES
-        and device_type in _backend.DEVICE_TYPES
-        and is_dense(t)
-    )
-
-
-def _by_device(tensors: Iterable[Tensor]) -> dict[torch.device, list[Tensor]]:
-    out: dict[torch.device, list[Tensor]] = defaultdict(list)
-    for t in tensors:
-        out[t.device].append(t)
-    return out
-
-
-def grad_stats(grads: list[Tensor], inv_scale: Tensor | None = None) -> Tensor:
-    """``[sum of (g * inv_scale)^2, max |g| * inv_scale, found_inf]`` over grads on any number of devices,
-    on the first one's device, with no host sync. Empty input gives zeros on the CPU."""
-    parts = []
-    for device, ts in _by_device(grads).items():
-        inv = inv_scale
-        if inv is not None and inv.device != device and inv.device.type != "cpu":
-            inv = inv.to(device, non_blocking=True)
-        parts.append(_ops.grad_stats(ts, inv))
-    if not parts:
-        return torch.zeros(3)
-    if len(parts) == 1:
-        return parts[0]
-    stacked = torch.stack([p.to(parts[0].device, non_blocking=True) for p in parts])
-    return torch.stack([stacked[:, 0].sum(), stacked[:, 1].max(), stacked[:, 2].max()])
-
-
-def clip_coef(norm: Tensor, max_norm: float | Tensor) -> Tensor:
-    # torch.nn.utils.clip_grad_norm_'s formula, so clipped grads agree to rounding.
-    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 @torch.no_grad()
@@ -125,49 +83,10 @@ def clip_grad_norm_(
     return total
 
 
-def unscale_grads_(params: Iterable[Tensor], inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool):
-    """The grads of ``params`` times ``inv_scale``, in place, with inf/nan recorded: torch's
-    ``GradScaler._unscale_grads_`` (returns found_inf per device), on ``unscale_check_`` for the grads the kernel
-    takes, one pass per device for all dtypes; the others go to ``torch._amp_foreach_non_finite_check_and_unscale_``
-    per (device, dtype), sharing the same found_inf."""
-    fused: dict[torch.device, list[Tensor]] = defaultdict(list)
-    other: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
-    with torch.no_grad():
-        for param in params:
-            if param.grad is None:
-                continue
-            if (not allow_fp16) and param.grad.dtype == torch.float16:
-                raise ValueError("Attempting to unscale FP16 gradients.")
-            grad = param.grad
-            if grad.is_sparse:
-                # torch's rule: duplicate indices of scaled fp16 values can overflow when summed, so
-                # fp16 grads are coalesced first and the coalesced values checked.
-                if grad.dtype is torch.float16:
-                    param.grad = grad = grad.coalesce()
-                grad = grad._values()
-                other[(grad.device, grad.dtype)].append(grad)
-            elif _kernels_take(grad):
-                fused[grad.device].append(grad)
-            else:
-                other[(grad.device, grad.dtype)].append(grad)
-        per_device_found_inf: dict[torch.device, Tensor] = {}
-        per_device_inv_scale: dict[torch.device, Tensor] = {}
-
-        def on(device):
-            if device not in per_device_found_inf:
-                per_device_found_inf[device] = found_inf.to(device, non_blocking=True)
-                per_device_inv_scale[device] = inv_scale.to(device, non_blocking=True)
-            return per_device_found_inf[device], per_device_inv_scale[device]
-
-        for device, grads in fused.items():
-            _ops.unscale_check_(grads, *on(device))
-        for (device, _), grads in other.items():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, *on(device))
-    return per_device_found_inf
-
-
 def _is_fastops_optimizer(optimizer) -> bool:
-    return getattr(optimizer, "_fastops_amp", False)
+    """A fastops optimizer says so by its class attribute ``takes_grad_scale`` (see fastops/optim/optimizer.py):
+    its step takes ``grad_scale``/``found_inf`` and writes ``step_was_skipped`` and ``last_grad_norm``."""
+    return getattr(optimizer, "takes_grad_scale", False) is True
 
 
 def _step_is_watched(optimizer) -> bool:

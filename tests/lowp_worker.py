@@ -69,9 +69,9 @@ def sharded(fmt: str):
     fully_shard(model)
     opt = optimizer(model, fmt)
     # As fastops.accelerate(strategy="fsdp") does: the clip norm is over both shards, not this rank's.
-    from fastops.accelerate._distributed import all_reduce_stats
+    from fastops.accelerate._distributed import fsdp_grad_stats
 
-    opt.reduce_grad_stats = all_reduce_stats
+    opt.grad_stats_fn = fsdp_grad_stats
     return model, opt
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fastops
-from fastops import _backend, amp, optim
+from fastops import _backend, _grads, amp, optim
 from fastops.kernels import _common as kcommon
 
 # Tensor methods that hand a value to Python, and torch functions whose result depends on values on the host.
@@ -145,12 +145,12 @@ def test_optimizer_phase_reads_nothing_on_the_host(case):
 
 def test_a_host_read_in_the_phase_fails(monkeypatch):
     # The guard itself: the same phase with one .item() added where the folded clip computes its coefficient.
-    clip_coef = amp.clip_coef
+    clip_coef = _grads.clip_coef
 
     def reading_clip_coef(norm, max_norm):
         norm.item()
         return clip_coef(norm, max_norm)
 
-    monkeypatch.setattr(amp, "clip_coef", reading_clip_coef)
+    monkeypatch.setattr(_grads, "clip_coef", reading_clip_coef)
     with pytest.raises(HostRead, match=r"Tensor\.item read"):
         _train(_scaled, _scaler_step)

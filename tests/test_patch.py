@@ -10,7 +10,7 @@ import torch
 
 import fastops
 from fastops import _backend, optim
-from tests.test_adam import _grads, _model_params
+from tests.adam_helpers import _grads, _model_params
 
 TORCH = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "SGD": torch.optim.SGD}
 KW = {"AdamW": dict(lr=1e-2), "Adam": dict(lr=1e-2, weight_decay=0.1), "SGD": dict(lr=0.05, momentum=0.9)}

@@ -9,9 +9,9 @@ import torch
 
 import fastops
 from fastops import _backend, optim
-from tests.test_adam import _fresh_dynamo, _grads, _model_params, _run, _torch_keys
+from tests.adam_helpers import _fresh_dynamo, _grads, _model_params, _run, _torch_keys
 from tests.rounding import norm_rtol
-from tests.test_amp import no_host_reads
+from tests.amp_helpers import no_host_reads
 
 STEPS = 30
 SIZES = (3, 1023, 1, 77, 0)

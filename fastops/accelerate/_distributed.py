@@ -162,6 +162,13 @@ def all_reduce_stats(stats: torch.Tensor) -> torch.Tensor:
     return torch.cat([squares, maxes])
 
 
+def fsdp_grad_stats(grads: list[torch.Tensor], inv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The global [sum of squares, max |g|, found_inf] of FSDP2 grads from this rank's local shards (each element
+    of a param is on one rank only, so the sums add up): what prepare sets as the optimizer's ``grad_stats_fn``
+    under strategy="fsdp" (see fastops/optim/optimizer.py)."""
+    return all_reduce_stats(amp.grad_stats(grads, inv_scale))
+
+
 class ShardedScaler(amp.GradScaler):
     """GradScaler for a non-fastops optimizer on FSDP2 grads: unscales the local shards and takes found_inf
     as the MAX over ranks, so every rank skips the same steps and keeps the same scale."""

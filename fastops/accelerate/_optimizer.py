@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import amp, optim
+from ..optim.optimizer import _Fused
 from . import _distributed, _model
 
 if TYPE_CHECKING:
@@ -39,13 +40,15 @@ def prepare_optimizer(acc: "Accelerator", opt: torch.optim.Optimizer) -> torch.o
     # torch's Adam/AdamW/SGD become fastops' in place (same object, so schedulers keep driving it); others
     # (and torch optimizers fastops cannot take) stay as they are.
     optim.fuse_(opt)
-    if isinstance(opt, optim._Fused):
+    if isinstance(opt, _Fused):
         if acc.grad_clip is not None:
             opt.defaults["max_grad_norm"] = acc.grad_clip
             for group in opt.param_groups:
                 group["max_grad_norm"] = acc.grad_clip
+        # The global grad norm for the clip and the fp16 skip, through the optimizer's one hook for it
+        # (fastops/optim/optimizer.py): all-reduced over the FSDP2 shards, or over the TP/PP mesh.
         if acc.strategy == "fsdp":
-            opt.reduce_grad_stats = _distributed.all_reduce_stats
+            opt.grad_stats_fn = _distributed.fsdp_grad_stats
         elif acc.mesh is not None:
             from .. import _parallel
 
@@ -53,7 +56,7 @@ def prepare_optimizer(acc: "Accelerator", opt: torch.optim.Optimizer) -> torch.o
     elif acc.mesh is not None and (acc.grad_clip is not None or acc.scaler is not None):
         raise ValueError(f"fastops.accelerate: under strategy={acc.strategy!r}, grad_clip and fp16 need an "
                          f"optimizer fastops fuses (torch Adam, AdamW, SGD), not {type(opt).__name__}")
-    if acc.scaler is not None and isinstance(opt, optim._Fused):
+    if acc.scaler is not None and isinstance(opt, _Fused):
         # Under fp16 the prepared step unscales by itself (fastops' scaler, or a user's that drives it): a torch
         # GradScaler must hand it the scale rather than unscale the grads first, which this flag tells it (torch
         # sets it on fused=True optimizers). _step then sees a scaler that did not scale the loss by its grad_scale.
@@ -120,7 +123,7 @@ def _clip(acc: "Accelerator", opt: torch.optim.Optimizer) -> torch.Tensor:
     if acc.strategy != "fsdp":
         return amp.clip_grad_norm_(params, acc.grad_clip)
     grads = [_distributed.local(p.grad) for p in params]
-    norm = _distributed.all_reduce_stats(amp.grad_stats(grads))[0].sqrt()
+    norm = _distributed.fsdp_grad_stats(grads)[0].sqrt()
     if grads:
         torch._foreach_mul_(grads, amp.clip_coef(norm, acc.grad_clip).to(grads[0].device))
     return norm
@@ -134,7 +137,7 @@ def _step(opt: torch.optim.Optimizer, closure=None):
     if state.raw:
         return cls.step(opt, closure)
     driven = state.user_scaler is not None  # by the user's GradScaler (see _model.give_way_to)
-    fused = isinstance(opt, optim._Fused)
+    fused = isinstance(opt, _Fused)
     if driven and acc.grad_clip is not None and not fused and getattr(opt, "grad_scale", None) is not None:
         raise RuntimeError(
             f"fastops.accelerate: grad_clip with your {type(state.user_scaler).__name__} and a "
