@@ -138,9 +138,10 @@ extern const KernelTable kTableDefault;
 #define FASTOPS_MULTI_ISA 1
 extern const KernelTable kTableAvx2;
 extern const KernelTable kTableAvx512;
+extern const KernelTable kTableAvx512Vbmi;
 #endif
 
-// The table chosen at load time for this CPU (FASTOPS_CPU_CAPABILITY=default|avx2|avx512 lowers it).
+// The table chosen at load time for this CPU (FASTOPS_CPU_CAPABILITY=default|avx2|avx512|avx512_vbmi lowers it).
 const KernelTable& kernels();
 
 }  // namespace cpu

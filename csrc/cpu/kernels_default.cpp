@@ -9,7 +9,10 @@
 #define FASTOPS_ISA_NS isa_default
 #define FASTOPS_ISA_TABLE kTableDefault
 // Named after what the baseline flags give, so cpu_capability() tells a -march=native build apart.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VBMI__)
+#define FASTOPS_ISA_NAME "avx512_vbmi"
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define FASTOPS_ISA_NAME "avx512"
 #elif defined(__AVX2__) && defined(__FMA__)
 #define FASTOPS_ISA_NAME "avx2"
@@ -36,6 +39,11 @@
 #define FASTOPS_HAVE_AVX512 1
 #else
 #define FASTOPS_HAVE_AVX512 0
+#endif
+#if FASTOPS_HAVE_AVX512 && defined(__AVX512VBMI__)
+#define FASTOPS_HAVE_AVX512VBMI 1
+#else
+#define FASTOPS_HAVE_AVX512VBMI 0
 #endif
 #include "kernels_isa.h"
 #include "ce_isa.h"

@@ -1,7 +1,7 @@
 // Kernel bodies, compiled once per ISA: each kernels_<isa>.cpp includes the standard headers, then sets
 // `#pragma GCC target(...)`, defines FASTOPS_ISA_NS / FASTOPS_ISA_TABLE / FASTOPS_ISA_NAME and includes this
 // file, so every function here gets that ISA and lives in its own namespace (no symbol is shared between
-// the copies). This file must include nothing itself.
+// the copies). This file includes nothing itself but codec_isa.h (the 8-bit codec), inside its namespace.
 //
 // The loops are plain C++ with `#pragma omp simd`, vectorised by GCC for the target of the enclosing
 // pragma. Measured here (32M fp32 params in 128 tensors, 2 threads): the loop runs at memory bandwidth
@@ -282,123 +282,7 @@ void adam(const AdamTensor& t, const AdamConsts& c, int64_t lo, int64_t hi) {
 
 constexpr int64_t kQBlock = 256;
 
-// Largest |x| of x[0, n) as bits: IEEE order of non-negative floats is integer order and nan's bits are
-// above inf's, so this is torch.amax of |x| with nan propagation. 0 for n = 0, as the block's zero padding.
-inline float absmax_of(const float* __restrict x, int64_t n) {
-  uint32_t mx = 0;
-#pragma omp simd reduction(max : mx)
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t a = as_bits(x[i]) & 0x7fffffffu;
-    mx = a > mx ? a : mx;
-  }
-  return as_float(mx);
-}
-
-// _quant.encode of x / absmax for one element (IEEE division, then the fp32 operations in _quant's order;
-// the build's -ffp-contract=off keeps them unfused).
-template <bool kSigned>
-inline uint8_t encode1(float x, const QuantMap& q) {
-  const float a = kSigned ? __builtin_fabsf(x) : x;
-  if (!(a >= q.T[0])) return 0;
-  if (a >= q.T[7]) return kSigned ? (x < 0 ? 0xFF : 0x80) : 1;
-  int i = 0;
-  for (int k = 1; k < 7; ++k) i += a >= q.T[k] ? 1 : 0;
-  const float tt = ((a * q.P[i]) - 0.1f) * q.F[i] - 0.5f;
-  float jf = __builtin_rintf(tt);  // round half to even, as torch.round
-  jf = jf > 0.0f ? jf : 0.0f;
-  int j = static_cast<int>(jf);
-  j = j < q.n[i] - 1 ? j : q.n[i] - 1;
-  const int r = q.n[i] + j;
-  return static_cast<uint8_t>(kSigned && x < 0 ? (r | 0x80) : r);
-}
-
-// codes[i] = encode(x[i] / absmax). AVX2: the decade is the count of the 6 boundaries a lane reaches (6
-// compares), its P, F and n come from one vpermps each, and the rest is 8 lanes of the scalar formula.
-//
-// kRecip: x / absmax as Markstein's correction of x * RN(1 / absmax) (q0 = x*y, r = x - q0*absmax exact by FMA,
-// q = RN(q0 + r*y)), which is the correctly rounded quotient whenever y is RN(1/b) and nothing underflows
-// (Markstein's theorem): 3 FMA-unit ops in place of vdivps (about 3.5 cycles a vector on Zen 3). Used for
-// 2^-60 <= absmax <= 2^100, where only |x| < 2^-100 can underflow, and those quotients (< 2^-40) encode to 0
-// (below T[0] ~ 2^-24) either way. Checked against IEEE division on 4e8 random pairs in that range: the same
-// quotient, or both below 2^-30. With the scalar-load decode below, the 8-bit step went from 3.6 to about 3.2
-// ns/param (16M params, 1 thread).
-template <bool kSigned, bool kRecip>
-void encode_loop(const float* __restrict x, float absmax, uint8_t* __restrict codes, int64_t n, const QuantMap& q) {
-  int64_t i = 0;
-#if FASTOPS_HAVE_AVX2
-  const __m256 am = _mm256_set1_ps(absmax);
-  const __m256 y = _mm256_set1_ps(1.0f / absmax);
-  const __m256 pv = _mm256_loadu_ps(q.P), fv = _mm256_loadu_ps(q.F);
-  const __m256i nv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.n));
-  const __m256 t0 = _mm256_set1_ps(q.T[0]), t1 = _mm256_set1_ps(q.T[1]), t2 = _mm256_set1_ps(q.T[2]),
-               t3 = _mm256_set1_ps(q.T[3]), t4 = _mm256_set1_ps(q.T[4]), t5 = _mm256_set1_ps(q.T[5]),
-               t6 = _mm256_set1_ps(q.T[6]), t7 = _mm256_set1_ps(q.T[7]);
-  const __m256 c01 = _mm256_set1_ps(0.1f), c05 = _mm256_set1_ps(0.5f), zero = _mm256_setzero_ps();
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256i one = _mm256_set1_epi32(1), c80 = _mm256_set1_epi32(0x80), cff = _mm256_set1_epi32(0xff);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 xi = _mm256_loadu_ps(x + i);
-    __m256 xv;
-    if constexpr (kRecip) {
-      const __m256 q0 = _mm256_mul_ps(xi, y);
-      xv = _mm256_fmadd_ps(_mm256_fnmadd_ps(q0, am, xi), y, q0);
-    } else {
-      xv = _mm256_div_ps(xi, am);
-    }
-    const __m256 a = kSigned ? _mm256_and_ps(xv, abs_mask) : xv;
-    __m256i d = _mm256_castps_si256(_mm256_cmp_ps(a, t1, _CMP_GE_OQ));  // -1 per boundary reached
-    d = _mm256_add_epi32(d, _mm256_castps_si256(_mm256_cmp_ps(a, t2, _CMP_GE_OQ)));
-    d = _mm256_add_epi32(d, _mm256_castps_si256(_mm256_cmp_ps(a, t3, _CMP_GE_OQ)));
-    d = _mm256_add_epi32(d, _mm256_castps_si256(_mm256_cmp_ps(a, t4, _CMP_GE_OQ)));
-    d = _mm256_add_epi32(d, _mm256_castps_si256(_mm256_cmp_ps(a, t5, _CMP_GE_OQ)));
-    d = _mm256_add_epi32(d, _mm256_castps_si256(_mm256_cmp_ps(a, t6, _CMP_GE_OQ)));
-    d = _mm256_sub_epi32(_mm256_setzero_si256(), d);
-    const __m256 pi = _mm256_permutevar8x32_ps(pv, d), fi = _mm256_permutevar8x32_ps(fv, d);
-    const __m256i ni = _mm256_permutevar8x32_epi32(nv, d);
-    const __m256 tt = _mm256_sub_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(a, pi), c01), fi), c05);
-    const __m256 jf = _mm256_max_ps(_mm256_round_ps(tt, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), zero);
-    const __m256i j = _mm256_min_epi32(_mm256_cvttps_epi32(jf), _mm256_sub_epi32(ni, one));
-    __m256i code = _mm256_add_epi32(ni, j);
-    __m256i top = one;
-    if constexpr (kSigned) {
-      const __m256i neg = _mm256_castps_si256(_mm256_cmp_ps(xv, zero, _CMP_LT_OQ));
-      code = _mm256_or_si256(code, _mm256_and_si256(neg, c80));
-      top = _mm256_blendv_epi8(c80, cff, neg);
-    }
-    code = _mm256_blendv_epi8(code, top, _mm256_castps_si256(_mm256_cmp_ps(a, t7, _CMP_GE_OQ)));
-    code = _mm256_and_si256(code, _mm256_castps_si256(_mm256_cmp_ps(a, t0, _CMP_GE_OQ)));
-    const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(w, w));
-  }
-#endif
-  for (; i < n; ++i) codes[i] = encode1<kSigned>(x[i] / absmax, q);
-}
-
-template <bool kSigned>
-void encode_block(const float* __restrict x, float absmax, uint8_t* __restrict codes, int64_t n, const QuantMap& q) {
-#if FASTOPS_HAVE_AVX2 && FASTOPS_HAVE_FMA
-  if (absmax >= 0x1p-60f && absmax <= 0x1p100f) return encode_loop<kSigned, true>(x, absmax, codes, n, q);
-#endif
-  encode_loop<kSigned, false>(x, absmax, codes, n, q);
-}
-
-// out[i] = qmap[codes[i]] * absmax. Eight scalar loads a vector rather than vpgatherdd: 3.2 against 3.35
-// ns/param for the whole 8-bit step (100k params in L2, 1 thread, CPU time, Zen 3).
-void decode_block(const uint8_t* __restrict codes, float absmax, const float* __restrict qmap, float* __restrict out,
-                  int64_t n) {
-  int64_t i = 0;
-#if FASTOPS_HAVE_AVX2
-  const __m256 am = _mm256_set1_ps(absmax);
-  for (; i + 8 <= n; i += 8) {
-    uint64_t c;
-    __builtin_memcpy(&c, codes + i, 8);
-    const __m128 lo = _mm_setr_ps(qmap[c & 0xff], qmap[(c >> 8) & 0xff], qmap[(c >> 16) & 0xff], qmap[(c >> 24) & 0xff]);
-    const __m128 hi = _mm_setr_ps(qmap[(c >> 32) & 0xff], qmap[(c >> 40) & 0xff], qmap[(c >> 48) & 0xff], qmap[c >> 56]);
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_set_m128(hi, lo), am));
-  }
-#endif
-  for (; i < n; ++i) out[i] = qmap[codes[i]] * absmax;
-}
+#include "codec_isa.h"
 
 // _quant.mix32: lowbias32.
 inline uint32_t mix32(uint32_t x) {
@@ -463,12 +347,14 @@ void adam_lowp_range(const LowpTensor& t, const LowpConsts& c, int64_t lo, int64
   uint8_t* const cv = static_cast<uint8_t*>(t.exp_avg_sq);
   uint16_t* const hm = static_cast<uint16_t*>(t.exp_avg);
   uint16_t* const hv = static_cast<uint16_t*>(t.exp_avg_sq);
+  const CodecTables& ts = codec_tables(true);
+  const CodecTables& tu = codec_tables(false);
   for (int64_t b0 = lo; b0 < hi; b0 += kQBlock) {
     const int64_t n = min64(kQBlock, hi - b0);
     const int64_t blk = b0 / kQBlock;
     if (c.eight_bit) {
-      decode_block(cm + b0, t.exp_avg_absmax[blk], c.signed_map->qmap, m, n);
-      decode_block(cv + b0, t.exp_avg_sq_absmax[blk], c.unsigned_map->qmap, v, n);
+      decode_block(cm + b0, t.exp_avg_absmax[blk], ts, m, n);
+      decode_block(cv + b0, t.exp_avg_sq_absmax[blk], tu, v, n);
     } else {
       load_bf16(hm + b0, m, n);
       load_bf16(hv + b0, v, n);
@@ -483,8 +369,8 @@ void adam_lowp_range(const LowpTensor& t, const LowpConsts& c, int64_t lo, int64
       const float am = absmax_of(m, n), av = absmax_of(v, n);
       t.exp_avg_absmax[blk] = am;
       t.exp_avg_sq_absmax[blk] = av;
-      encode_block<true>(m, am, cm + b0, n, *c.signed_map);
-      encode_block<false>(v, av, cv + b0, n, *c.unsigned_map);
+      encode_block<true>(m, am, cm + b0, n, ts);
+      encode_block<false>(v, av, cv + b0, n, tu);
     } else {
       store_bf16_sr(m, v, hm + b0, hv + b0, n, t.sr_key, b0);
     }
