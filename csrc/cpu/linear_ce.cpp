@@ -17,7 +17,8 @@ namespace cpu {
 const CeKernels& ce_kernels() {
   static const CeKernels* const table = [] {
 #ifdef FASTOPS_MULTI_ISA
-    if (std::strcmp(kernels().name, "avx512") == 0) return &kCe_isa_avx512;
+    // avx512_vbmi differs from avx512 only in the 8-bit state decode; the row pass has no byte lookups.
+    if (std::strncmp(kernels().name, "avx512", 6) == 0) return &kCe_isa_avx512;
     if (std::strcmp(kernels().name, "avx2") == 0) return &kCe_isa_avx2;
 #endif
     return &kCe_isa_default;
