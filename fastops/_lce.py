@@ -61,9 +61,11 @@ def _check_args(x, weight, target, bias, reduction, label_smoothing) -> None:
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise TypeError(f"{op}: x has dtype {x.dtype}; expected a floating dtype")
     if x.dim() < 1 or weight.dim() != 2:
-        raise ValueError(f"{op}: x must be (..., H) and weight (V, H); got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+        raise ValueError(f"{op}: x must be (..., H) and weight (V, H); got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
     if weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"{op}: x has hidden size {x.shape[-1]} but weight {tuple(weight.shape)} expects {weight.shape[1]}")
+        raise ValueError(f"{op}: x has hidden size {x.shape[-1]} but weight {tuple(weight.shape)} "
+                         f"expects {weight.shape[1]}")
     if weight.dtype != x.dtype:
         raise TypeError(f"{op}: weight has dtype {weight.dtype} but x has {x.dtype}; cast them to one dtype")
     if weight.device != x.device:
@@ -78,7 +80,8 @@ def _check_args(x, weight, target, bias, reduction, label_smoothing) -> None:
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{op}: target has dtype {target.dtype}; expected int64 class indices")
     if target.shape != x.shape[:-1]:
-        raise ValueError(f"{op}: target has shape {tuple(target.shape)} but x {tuple(x.shape)} needs {tuple(x.shape[:-1])}")
+        raise ValueError(f"{op}: target has shape {tuple(target.shape)} but x {tuple(x.shape)} "
+                         f"needs {tuple(x.shape[:-1])}")
     if target.device != x.device:
         raise ValueError(f"{op}: target is on {target.device} but x is on {x.device}")
 
@@ -89,7 +92,8 @@ def _labeled(x2, target1, ignore_index, vocab):
     keep = target1 != ignore_index
     bad = keep & ((target1 < 0) | (target1 >= vocab))
     if bool(bad.any()):
-        raise IndexError(f"fastops.linear_cross_entropy: Target {int(target1[bad][0])} is out of bounds (vocabulary {vocab}).")
+        raise IndexError(f"fastops.linear_cross_entropy: Target {int(target1[bad][0])} is out of bounds "
+                         f"(vocabulary {vocab}).")
     if bool(keep.all()):
         return None, x2, target1.long()
     idx = keep.nonzero().squeeze(1)
@@ -165,9 +169,9 @@ def _forward_impl(x, weight, target, bias, ignore_index, reduction, label_smooth
     m = xl.shape[0]
     scale = 1.0 / m if reduction == "mean" and m else 1.0
     if m:
-        loss_rows, gxl, gw, gb = _pass_for(x.device.type, x.dtype)(xl.contiguous(), weight.contiguous(),
-                                                          None if bias is None else bias.contiguous(),
-                                                          tl, float(label_smoothing), scale, None, with_grad, _chunk_rows(v))
+        b = None if bias is None else bias.contiguous()
+        loss_rows, gxl, gw, gb = _pass_for(x.device.type, x.dtype)(
+            xl.contiguous(), weight.contiguous(), b, tl, float(label_smoothing), scale, None, with_grad, _chunk_rows(v))
     else:
         loss_rows = x.new_zeros(0, dtype=torch.float32)
         gxl = x.new_zeros((0, h) if with_grad else (0,))
@@ -224,7 +228,8 @@ def _fake_forward(x, weight, target, bias, ignore_index, reduction, label_smooth
 @torch.library.register_fake("fastops::linear_cross_entropy_backward", lib=_lib)
 def _fake_backward(grad_loss, x, weight, target, bias, ignore_index, reduction, label_smoothing):
     _check_args(x, weight, target, bias, reduction, label_smoothing)
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty((weight.shape[0],) if bias is not None else (0,))
+    gb = weight.new_empty((weight.shape[0],) if bias is not None else (0,))
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), gb
 
 
 for _dev in _backend.DEVICE_TYPES:
