@@ -30,9 +30,11 @@ from . import _backend
 REDUCTIONS = ("none", "mean", "sum")
 # Logit elements per chunk of rows, handed to every backend (chunk_rows). The matmuls want many rows: measured on
 # the 2-core Zen 5 machine (1 thread, bf16, N=2048, H=256, V=32000, forward + grads, under load from other jobs):
-# 32 rows 1664 ms, 128 rows 1438, 256 rows 1291, 512 rows 1357. 2^23 gives 262 rows at V=32000: 16 MiB of bf16
-# logits (L3 is 32 MiB), far below the 375 MiB of one set of eager's fp32-sized logits at this size.
-CHUNK_ELEMENTS = 1 << 23
+# 32 rows 1664 ms, 128 rows 1438, 256 rows 1291, 512 rows 1357. Peak extra memory of forward + backward, where
+# the fp32 grad_weight accumulator (31 MiB) is fixed: 2^23 elements (262 rows) 43.3 MiB, 12% of eager's 358, at
+# 1347 ms; 2^22 (131 rows) 35.4 MiB, 9.9%, at 1437 ms (same process, interleaved). 2^22 keeps to the issue's
+# memory target (at most 10% of eager's) for 7% of the time.
+CHUNK_ELEMENTS = 1 << 22
 
 _lib = torch.library.Library("fastops", "FRAGMENT")
 _lib.define(
@@ -61,9 +63,11 @@ def _check_args(x, weight, target, bias, reduction, label_smoothing) -> None:
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise TypeError(f"{op}: x has dtype {x.dtype}; expected a floating dtype")
     if x.dim() < 1 or weight.dim() != 2:
-        raise ValueError(f"{op}: x must be (..., H) and weight (V, H); got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+        raise ValueError(f"{op}: x must be (..., H) and weight (V, H); got x {tuple(x.shape)}, "
+                         f"weight {tuple(weight.shape)}")
     if weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"{op}: x has hidden size {x.shape[-1]} but weight {tuple(weight.shape)} expects {weight.shape[1]}")
+        raise ValueError(f"{op}: x has hidden size {x.shape[-1]} but weight {tuple(weight.shape)} "
+                         f"expects {weight.shape[1]}")
     if weight.dtype != x.dtype:
         raise TypeError(f"{op}: weight has dtype {weight.dtype} but x has {x.dtype}; cast them to one dtype")
     if weight.device != x.device:
@@ -78,7 +82,8 @@ def _check_args(x, weight, target, bias, reduction, label_smoothing) -> None:
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{op}: target has dtype {target.dtype}; expected int64 class indices")
     if target.shape != x.shape[:-1]:
-        raise ValueError(f"{op}: target has shape {tuple(target.shape)} but x {tuple(x.shape)} needs {tuple(x.shape[:-1])}")
+        raise ValueError(f"{op}: target has shape {tuple(target.shape)} but x {tuple(x.shape)} "
+                         f"needs {tuple(x.shape[:-1])}")
     if target.device != x.device:
         raise ValueError(f"{op}: target is on {target.device} but x is on {x.device}")
 
@@ -89,7 +94,8 @@ def _labeled(x2, target1, ignore_index, vocab):
     keep = target1 != ignore_index
     bad = keep & ((target1 < 0) | (target1 >= vocab))
     if bool(bad.any()):
-        raise IndexError(f"fastops.linear_cross_entropy: Target {int(target1[bad][0])} is out of bounds (vocabulary {vocab}).")
+        raise IndexError(f"fastops.linear_cross_entropy: Target {int(target1[bad][0])} is out of bounds "
+                         f"(vocabulary {vocab}).")
     if bool(keep.all()):
         return None, x2, target1.long()
     idx = keep.nonzero().squeeze(1)
@@ -165,9 +171,9 @@ def _forward_impl(x, weight, target, bias, ignore_index, reduction, label_smooth
     m = xl.shape[0]
     scale = 1.0 / m if reduction == "mean" and m else 1.0
     if m:
-        loss_rows, gxl, gw, gb = _pass_for(x.device.type, x.dtype)(xl.contiguous(), weight.contiguous(),
-                                                          None if bias is None else bias.contiguous(),
-                                                          tl, float(label_smoothing), scale, None, with_grad, _chunk_rows(v))
+        b = None if bias is None else bias.contiguous()
+        loss_rows, gxl, gw, gb = _pass_for(x.device.type, x.dtype)(
+            xl.contiguous(), weight.contiguous(), b, tl, float(label_smoothing), scale, None, with_grad, _chunk_rows(v))
     else:
         loss_rows = x.new_zeros(0, dtype=torch.float32)
         gxl = x.new_zeros((0, h) if with_grad else (0,))
@@ -224,7 +230,8 @@ def _fake_forward(x, weight, target, bias, ignore_index, reduction, label_smooth
 @torch.library.register_fake("fastops::linear_cross_entropy_backward", lib=_lib)
 def _fake_backward(grad_loss, x, weight, target, bias, ignore_index, reduction, label_smoothing):
     _check_args(x, weight, target, bias, reduction, label_smoothing)
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty((weight.shape[0],) if bias is not None else (0,))
+    gb = weight.new_empty((weight.shape[0],) if bias is not None else (0,))
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), gb
 
 
 for _dev in _backend.DEVICE_TYPES:

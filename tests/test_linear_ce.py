@@ -120,7 +120,8 @@ def test_bf16_parity(backend, reduction, label_smoothing):
     grad_tol = (4 + 2 * zmax) * U_BF16 / 2
     for name, a, r in zip(("grad_x", "grad_w", "grad_b"), got[1:], ref[1:]):
         assert a.dtype == torch.bfloat16
-        assert rel_err(a.float(), r.float()) <= grad_tol, f"{name}: {rel_err(a.float(), r.float()):.2e} > {grad_tol:.2e}"
+        err = rel_err(a.float(), r.float())
+        assert err <= grad_tol, f"{name}: {err:.2e} > {grad_tol:.2e}"
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
@@ -193,8 +194,9 @@ def test_opcheck(backend, reduction, with_grad):
     x, w, b, t = _inputs(20, 8, 40)
     x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
     torch.library.opcheck(torch.ops.fastops.linear_cross_entropy.default, (x, w, t, b, -100, reduction, 0.1, with_grad))
+    grad_loss = torch.rand(20 if reduction == "none" else ())
     torch.library.opcheck(torch.ops.fastops.linear_cross_entropy_backward.default,
-                          (torch.rand(20 if reduction == "none" else ()), x.detach(), w.detach(), t, None, -100, reduction, 0.0))
+                          (grad_loss, x.detach(), w.detach(), t, None, -100, reduction, 0.0))
 
 
 def test_torch_compile_fullgraph(backend):
@@ -258,3 +260,21 @@ def test_cpp_row_pass_of_every_isa(capability):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+def test_fp16_sums_in_fp32_where_torch_overflows(backend):
+    """fp16 logits as F.linear rounds them, then fp32 (the op's contract). torch's own fp16 cross_entropy with label
+    smoothing sums 3001 log-probabilities in fp16 and returns inf here; the op matches torch run on the fp16 logits
+    cast to fp32. Tolerances: the loss rounds once to fp16 (2^-11 relative) after fp32 sums (~1e-6 here); a gradient
+    carries four fp16 roundings (the logits' gradient, the matmul output, the per-chunk grad_weight partial, the
+    final cast) on fastops' side and two on torch's: normwise 6 * 2^-11."""
+    x, w, b, t = _inputs(257, 64, 3001, torch.float16, scale=2.0)
+    assert torch.isinf(_torch(x, w, t, b, label_smoothing=0.1))  # torch's fp16 path, for the record
+    got = _run(_fast, x, w, b, t, label_smoothing=0.1)
+    ref = _run(lambda x, w, t, b, **kw: F.cross_entropy(F.linear(x, w, b).float(), t, **kw), x, w, b, t,
+               label_smoothing=0.1)
+    torch.testing.assert_close(got[0].float(), ref[0].float(), rtol=2.0**-10, atol=0)
+    for name, a, r in zip(("grad_x", "grad_w", "grad_b"), got[1:], ref[1:]):
+        assert a.dtype == torch.float16
+        err = rel_err(a.float(), r.float())
+        assert err <= 6 * 2.0**-11, f"{name}: {err:.2e}"

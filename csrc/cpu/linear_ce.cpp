@@ -30,9 +30,9 @@ namespace {
 // Logit elements per chunk when chunk_rows <= 0; fastops/_lce.py passes its CHUNK_ELEMENTS / V (measured there).
 constexpr int64_t kChunkElements = int64_t(1) << 20;
 // Rows of grad_weight per bf16/fp16 partial product: there is no mixed-dtype matmul on the CPU, so a chunk's
-// product is made in the inputs' dtype and added to the fp32 accumulator a block at a time (a 2 MiB temporary at
+// product is made in the inputs' dtype and added to the fp32 accumulator a block at a time (a 4 MiB temporary at
 // H = 256, not one of V x H).
-constexpr int64_t kVocabBlock = 4096;
+constexpr int64_t kVocabBlock = 8192;
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_pass(
