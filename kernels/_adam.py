@@ -71,11 +71,13 @@ def _pow_int(beta, step):
 
 @triton.jit
 def program_scalars(
-    rows, chunks, consts, lr_ptr, lr_value, decay_value, scale_ptr, scale_value,
-    COLS: tl.constexpr, CHUNK: tl.constexpr, LR_PTR: tl.constexpr, SCALE: tl.constexpr,
+    common, COLS: tl.constexpr, CHUNK: tl.constexpr, LR_PTR: tl.constexpr, SCALE: tl.constexpr,
+    FOUND_INF: tl.constexpr,
 ):  # fmt: skip
-    """This program's (table row, first element, numel) and its step's (scale, decay, neg_step_size, bc2_sqrt).
-    ``consts``: fp64 (beta1, beta2, weight_decay).
+    """This program's (table row, first element, numel), its step's (scale, decay, neg_step_size, bc2_sqrt), and the
+    launch's (beta2, one_minus_beta2, lerp_weight, eps, weight_decay), from the arguments every Adam kernel takes
+    first (``common``, as ``launch`` passes them; ``consts``: fp64 (beta1, beta2, weight_decay)). With found_inf set
+    numel is 0: the program's loops make no trip and nothing is written.
 
     The bias corrections and the decay are computed in fp64 and rounded once to fp32, as the reference's Python
     floats reach torch's fp32 kernels, beta**step by squaring over the integral step. Measured against the
@@ -86,9 +88,13 @@ def program_scalars(
     (fp64 or fp32 fma) differs in 7 of 10k lrs at weight_decay 0.1 and 29 at 0.3, from the fp64 one in none. fp64
     exp() here kept 8 bytes on the stack in 3 of the 8-bit specs on sm_90 (compile-check); the squarings do not.
     """
+    (rows, chunks, consts, lr_ptr, lr_value, decay_value, scale_ptr, scale_value, found_inf_ptr,
+     beta2, one_minus_beta2, lerp_weight, eps, weight_decay) = common  # fmt: skip
     _, t, start = chunk_of(chunks, CHUNK)
     row = rows + t * COLS
     numel = tl.load(row + COLS - 1)
+    if FOUND_INF:
+        numel = tl.where(tl.load(found_inf_ptr) != 0, 0, numel)
     step = tl.load(tl.load(row + STEP).to(tl.pointer_type(tl.float32)))
     lr = scalar_value(lr_ptr, lr_value, LR_PTR)
     if LR_PTR:
@@ -100,7 +106,8 @@ def program_scalars(
     bc2 = 1.0 - _pow_int(tl.load(consts + 1), step)
     neg_step_size = (-(tl.cast(lr, tl.float64) / bc1)).to(tl.float32)
     bc2_sqrt = tl.sqrt(bc2).to(tl.float32)
-    return row, start, numel, (scale, decay, neg_step_size, bc2_sqrt)
+    return row, start, numel, (scale, decay, neg_step_size, bc2_sqrt), (beta2, one_minus_beta2, lerp_weight, eps,
+                                                                        weight_decay)
 
 
 @triton.jit
@@ -122,11 +129,13 @@ def store_param(p, p_ptr, w_ptr, offs, mask, P_DTYPE: tl.constexpr, MASTER_: tl.
 
 @triton.jit
 def update(
-    p, g, m, v, vmax, hyper, step_scalars,
+    p, g, m, v, vmax_ptr, offs, mask, hyper, step_scalars,
     SCALE: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, WD: tl.constexpr,
-    LERP_SMALL: tl.constexpr, EMULATE_FMA: tl.constexpr,
+    LERP_SMALL: tl.constexpr, EMULATE_FMA: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
-    """One Adam step on fp32 values -> (p, m, v, vmax); vmax is read and returned only with AMSGRAD.
+    """One Adam step on fp32 values -> (p, m, v). With AMSGRAD it also steps the fp32 max_exp_avg_sq at
+    vmax_ptr + offs, loaded only once v is known (loaded before the update, 5 of the 21 AMSGRAD spec/arch
+    compiles took 2-5 more registers and 32 warps an SM instead of 40 on sm_90/sm_100).
     hyper: the launch's (beta2, one_minus_beta2, lerp_weight, eps, weight_decay); step_scalars: program_scalars'.
     SCALE: 0 no grad_scale, 1 value, 2 pointer. WD: 0 none, 1 L2 (Adam), 2 decoupled (AdamW).
 
@@ -150,12 +159,13 @@ def update(
     # 376 with a separate add.
     v = _fma(one_minus_beta2 * g, g, v * beta2, EMULATE_FMA)
     if AMSGRAD:
-        vmax = _max_nan(vmax, v)
+        vmax = _max_nan(ld(vmax_ptr, offs, mask, EVEN), v)
+        st(vmax_ptr, offs, vmax, mask, EVEN)
         denom = tl.div_rn(tl.sqrt_rn(vmax), bc2_sqrt) + eps
     else:
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = p + tl.div_rn(neg_step_size * m, denom)
-    return p, m, v, vmax
+    return p, m, v
 
 
 def _f32(x: float) -> float:
@@ -186,7 +196,7 @@ def launch(
     own_cols, own_args: tuple = (), **constexprs,
 ):  # fmt: skip
     """Bumps the step counters and launches ``kernel`` once per param dtype. The kernel's arguments are the
-    common ones (below), then ``own_args``, then the constexprs; its table rows are the common columns, then
+    common ones as one tuple (below; ``program_scalars`` reads them), then ``own_args``, then the constexprs; its table rows are the common columns, then
     ``own_cols(i)`` (tensor i's own pointers), then numel. ``op`` names the op in errors and picks the block
     sizes (``_common.block_sizes``). ``scalars_on_host``: see ``_common.StepScalars``."""
     if len(params) == 0:
@@ -232,9 +242,9 @@ def launch(
                 continue
             lr_ptr, scale_ptr, inf_ptr = sc.pointers(table.rows)
             kernel[(table.n_chunks,)](
-                table.rows, table.chunks, consts, lr_ptr, _f32(sc.lr), _f32(1 - sc.lr * weight_decay), scale_ptr,
-                _f32(sc.scale), inf_ptr, _f32(beta2), _f32(1 - beta2), _f32(lerp_weight), _f32(eps),
-                _f32(weight_decay), *own_args,
+                (table.rows, table.chunks, consts, lr_ptr, _f32(sc.lr), _f32(1 - sc.lr * weight_decay), scale_ptr,
+                 _f32(sc.scale), inf_ptr, _f32(beta2), _f32(1 - beta2), _f32(lerp_weight), _f32(eps),
+                 _f32(weight_decay)), *own_args,
                 P_DTYPE=TL_DTYPE[dtype], CHUNK=chunk, COLS=ncols, LR_PTR=sc.lr_t is not None, SCALE=sc.scale_mode,
                 FOUND_INF=sc.inf_t is not None, MAXIMIZE=bool(maximize), WD=wd_mode, MASTER=bool(master_params),
                 LERP_SMALL=lerp_small, ALIGNED=table.aligned, EMULATE_FMA=_INTERPRETED, **constexprs,

@@ -28,14 +28,8 @@ def _adam_block(
     p, g = _adam.load_param_grad(p_ptr, g_ptr, w_ptr, offs, mask, MASTER, EVEN)
     m = ld(m_ptr, offs, mask, EVEN)
     v = ld(v_ptr, offs, mask, EVEN)
-    if AMSGRAD:
-        vmax = ld(vmax_ptr, offs, mask, EVEN)
-    else:
-        vmax = v
-    p, m, v, vmax = _adam.update(p, g, m, v, vmax, hyper, step_scalars, SCALE, AMSGRAD, MAXIMIZE, WD, LERP_SMALL,
-                                 EMULATE_FMA)  # fmt: skip
-    if AMSGRAD:
-        st(vmax_ptr, offs, vmax, mask, EVEN)
+    p, m, v = _adam.update(p, g, m, v, vmax_ptr, offs, mask, hyper, step_scalars, SCALE, AMSGRAD, MAXIMIZE, WD,
+                           LERP_SMALL, EMULATE_FMA, EVEN)  # fmt: skip
     st(m_ptr, offs, m, mask, EVEN)
     st(v_ptr, offs, v, mask, EVEN)
     _adam.store_param(p, p_ptr, w_ptr, offs, mask, P_DTYPE, MASTER, EVEN)
@@ -43,19 +37,13 @@ def _adam_block(
 
 @triton.jit
 def _adam_kernel(
-    rows, chunks, consts, lr_ptr, lr_value, decay_value, scale_ptr, scale_value, found_inf_ptr,
-    beta2, one_minus_beta2, lerp_weight, eps, weight_decay,
+    common, BLOCK: tl.constexpr, AMSGRAD: tl.constexpr,
     P_DTYPE: tl.constexpr, CHUNK: tl.constexpr, COLS: tl.constexpr, LR_PTR: tl.constexpr, SCALE: tl.constexpr,
     FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, WD: tl.constexpr, MASTER: tl.constexpr,
-    LERP_SMALL: tl.constexpr, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr, BLOCK: tl.constexpr,
-    AMSGRAD: tl.constexpr,
+    LERP_SMALL: tl.constexpr, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr,
 ):  # fmt: skip
-    if FOUND_INF:
-        if tl.load(found_inf_ptr) != 0:
-            return
-    row, start, numel, step_scalars = _adam.program_scalars(
-        rows, chunks, consts, lr_ptr, lr_value, decay_value, scale_ptr, scale_value, COLS, CHUNK, LR_PTR, SCALE)
-    hyper = (beta2, one_minus_beta2, lerp_weight, eps, weight_decay)
+    # common: _adam.launch's arguments, read by program_scalars.
+    row, start, numel, step_scalars, hyper = _adam.program_scalars(common, COLS, CHUNK, LR_PTR, SCALE, FOUND_INF)
     p_ptr, g_ptr, m_ptr, v_ptr, w_ptr = _adam.table_ptrs(row, P_DTYPE, tl.float32, ALIGNED)
     vmax_ptr = table_ptr(row, _VMAX, tl.float32, ALIGNED)
     if start + CHUNK <= numel:

@@ -41,8 +41,8 @@ def _lowp_tile(
     mask = offs < numel
     p, g = _adam.load_param_grad(p_ptr, g_ptr, w_ptr, offs, mask, MASTER, EVEN)
     m, v = _codec.decode(m_ptr, v_ptr, ma_ptr, va_ptr, qs_ptr, qu_ptr, offs, mask, blk0, r, nblocks, EIGHT_BIT, EVEN)
-    p, m, v, _ = _adam.update(p, g, m, v, v, hyper, step_scalars, SCALE, False, MAXIMIZE, WD, LERP_SMALL,
-                              EMULATE_FMA)  # fmt: skip
+    p, m, v = _adam.update(p, g, m, v, w_ptr, offs, mask, hyper, step_scalars, SCALE, False, MAXIMIZE, WD, LERP_SMALL,
+                           EMULATE_FMA, EVEN)  # fmt: skip
     _codec.encode(m, v, m_ptr, v_ptr, ma_ptr, va_ptr, key, offs, mask, blk0, r, c, nblocks, EIGHT_BIT, EVEN)
     _adam.store_param(p, p_ptr, w_ptr, offs, mask, P_DTYPE, MASTER, EVEN)
 
@@ -50,19 +50,13 @@ def _lowp_tile(
 # The seed changes every step: specialised, each value divisible by 16 would compile another variant.
 @triton.jit(do_not_specialize=["seed"])
 def _adam_lowp_kernel(
-    rows, chunks, consts, lr_ptr, lr_value, decay_value, scale_ptr, scale_value, found_inf_ptr,
-    beta2, one_minus_beta2, lerp_weight, eps, weight_decay, seed, qmap_signed, qmap_unsigned,
+    common, seed, qmap_signed, qmap_unsigned, EIGHT_BIT: tl.constexpr, ROWS: tl.constexpr,
     P_DTYPE: tl.constexpr, CHUNK: tl.constexpr, COLS: tl.constexpr, LR_PTR: tl.constexpr, SCALE: tl.constexpr,
     FOUND_INF: tl.constexpr, MAXIMIZE: tl.constexpr, WD: tl.constexpr, MASTER: tl.constexpr,
-    LERP_SMALL: tl.constexpr, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr, EIGHT_BIT: tl.constexpr,
-    ROWS: tl.constexpr,
+    LERP_SMALL: tl.constexpr, ALIGNED: tl.constexpr, EMULATE_FMA: tl.constexpr,
 ):  # fmt: skip
-    if FOUND_INF:
-        if tl.load(found_inf_ptr) != 0:
-            return
-    row, start, numel, step_scalars = _adam.program_scalars(
-        rows, chunks, consts, lr_ptr, lr_value, decay_value, scale_ptr, scale_value, COLS, CHUNK, LR_PTR, SCALE)
-    hyper = (beta2, one_minus_beta2, lerp_weight, eps, weight_decay)
+    # common: _adam.launch's arguments, read by program_scalars; the seed, qmaps and EIGHT_BIT/ROWS are this op's.
+    row, start, numel, step_scalars, hyper = _adam.program_scalars(common, COLS, CHUNK, LR_PTR, SCALE, FOUND_INF)
     if EIGHT_BIT:
         p_ptr, g_ptr, m_ptr, v_ptr, w_ptr = _adam.table_ptrs(row, P_DTYPE, tl.uint8, ALIGNED)
     else:
