@@ -111,13 +111,14 @@ def program_scalars(
 
 
 @triton.jit
-def load_param_grad(p_ptr, g_ptr, w_ptr, offs, mask, MASTER_: tl.constexpr, EVEN: tl.constexpr):
-    """The fp32 param (the master copy where there is one) and the fp32 grad."""
+def load_param_grad(p_ptr, g_ptr, w_ptr, offs, numel, MASTER_: tl.constexpr, EVEN: tl.constexpr):
+    """The fp32 param (the master copy where there is one), the fp32 grad, and the mask of offs below numel."""
+    mask = offs < numel
     if MASTER_:
         p = ld(w_ptr, offs, mask, EVEN)
     else:
         p = ld(p_ptr, offs, mask, EVEN).to(tl.float32)
-    return p, ld(g_ptr, offs, mask, EVEN).to(tl.float32)
+    return p, ld(g_ptr, offs, mask, EVEN).to(tl.float32), mask
 
 
 @triton.jit

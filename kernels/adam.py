@@ -24,8 +24,7 @@ def _adam_block(
     MAXIMIZE: tl.constexpr, WD: tl.constexpr, MASTER: tl.constexpr, LERP_SMALL: tl.constexpr,
     EMULATE_FMA: tl.constexpr,
 ):  # fmt: skip
-    mask = offs < numel
-    p, g = _adam.load_param_grad(p_ptr, g_ptr, w_ptr, offs, mask, MASTER, EVEN)
+    p, g, mask = _adam.load_param_grad(p_ptr, g_ptr, w_ptr, offs, numel, MASTER, EVEN)
     m = ld(m_ptr, offs, mask, EVEN)
     v = ld(v_ptr, offs, mask, EVEN)
     p, m, v = _adam.update(p, g, m, v, vmax_ptr, offs, mask, hyper, step_scalars, SCALE, AMSGRAD, MAXIMIZE, WD,

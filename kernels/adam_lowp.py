@@ -38,8 +38,7 @@ def _lowp_tile(
     EMULATE_FMA: tl.constexpr,
 ):  # fmt: skip
     # offs: [ROWS, 256] element indices, row k of them block blk0 + k; r: [ROWS, 1] row numbers.
-    mask = offs < numel
-    p, g = _adam.load_param_grad(p_ptr, g_ptr, w_ptr, offs, mask, MASTER, EVEN)
+    p, g, mask = _adam.load_param_grad(p_ptr, g_ptr, w_ptr, offs, numel, MASTER, EVEN)
     m, v = _codec.decode(m_ptr, v_ptr, ma_ptr, va_ptr, qs_ptr, qu_ptr, offs, mask, blk0, r, nblocks, EIGHT_BIT, EVEN)
     p, m, v = _adam.update(p, g, m, v, w_ptr, offs, mask, hyper, step_scalars, SCALE, False, MAXIMIZE, WD, LERP_SMALL,
                            EMULATE_FMA, EVEN)  # fmt: skip
