@@ -38,43 +38,59 @@ def _fp32_param_and_grad(param, master, grad, grad_scale):
     return p, g
 
 
-@torch.no_grad()
-def adam_step_(
-    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params,
-    lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, grad_scale, found_inf,
-):  # fmt: skip
-    check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad)
-    lr = _step_lr("adam_step_", params, lr, grad_scale, found_inf)
+def _adam_update(p, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, maximize,
+                 decoupled):  # fmt: skip
+    """One Adam step on fp32 tensors, in place: torch.optim.Adam's for-loop operations in its order. Every state
+    format runs this update (low-precision states decoded to fp32 before it, encoded after)."""
+    if maximize:
+        grad = -grad
+    if weight_decay != 0:
+        if decoupled:
+            p.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad.add(p, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = math.sqrt(bias_correction2)
+    if max_exp_avg_sq is not None:
+        torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+        denom = (max_exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    else:
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _adam_steps(op, params, grads, state_steps, master_params, lr, grad_scale, found_inf, states, store, **hyper):
+    """The per-tensor loop of both Adam ops: ``states(i)`` gives tensor i's fp32 (exp_avg, exp_avg_sq,
+    max_exp_avg_sq or None) to update in place, ``store(i, exp_avg, exp_avg_sq)`` writes them back after."""
+    lr = _step_lr(op, params, lr, grad_scale, found_inf)
     if lr is None:
         return
     for i, param in enumerate(params):
         step_t = state_steps[i]
         step_t += 1
         p, grad = _fp32_param_and_grad(param, master_params[i] if master_params else None, grads[i], grad_scale)
-        if maximize:
-            grad = -grad
-        if weight_decay != 0:
-            if decoupled:
-                p.mul_(1 - lr * weight_decay)
-            else:
-                grad = grad.add(p, alpha=weight_decay)
-        exp_avg, exp_avg_sq = exp_avgs[i], exp_avg_sqs[i]
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-
-        step = step_t.item()
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        step_size = lr / bias_correction1
-        bias_correction2_sqrt = math.sqrt(bias_correction2)
-        if amsgrad:
-            torch.maximum(max_exp_avg_sqs[i], exp_avg_sq, out=max_exp_avg_sqs[i])
-            denom = (max_exp_avg_sqs[i].sqrt() / bias_correction2_sqrt).add_(eps)
-        else:
-            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        p.addcdiv_(exp_avg, denom, value=-step_size)
+        exp_avg, exp_avg_sq, max_exp_avg_sq = states(i)
+        _adam_update(p, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step_t.item(), lr, **hyper)
         if p is not param:
             param.copy_(p)
+        store(i, exp_avg, exp_avg_sq)
+
+
+@torch.no_grad()
+def adam_step_(
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params,
+    lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, grad_scale, found_inf,
+):  # fmt: skip
+    check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad)
+    _adam_steps(
+        "adam_step_", params, grads, state_steps, master_params, lr, grad_scale, found_inf,
+        lambda i: (exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if amsgrad else None), lambda *_: None,
+        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize, decoupled=decoupled,
+    )  # fmt: skip
 
 
 @torch.no_grad()
@@ -85,44 +101,26 @@ def adam_step_lowp_(
     # adam_step_'s update on states decoded to fp32, written back in their low-precision format (fastops/_quant.py).
     mode = check_adam_lowp_args(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, state_steps,
                                 master_params)  # fmt: skip
-    lr = _step_lr("adam_step_lowp_", params, lr, grad_scale, found_inf)
-    if lr is None:
-        return
-    for i, param in enumerate(params):
-        step_t = state_steps[i]
-        step_t += 1
-        p, grad = _fp32_param_and_grad(param, master_params[i] if master_params else None, grads[i], grad_scale)
-        if maximize:
-            grad = -grad
-        if weight_decay != 0:
-            if decoupled:
-                p.mul_(1 - lr * weight_decay)
-            else:
-                grad = grad.add(p, alpha=weight_decay)
-        if mode == "8bit":
-            exp_avg = _quant.dequantize(exp_avgs[i], exp_avg_absmax[i], signed=True)
-            exp_avg_sq = _quant.dequantize(exp_avg_sqs[i], exp_avg_sq_absmax[i], signed=False)
-        else:
-            exp_avg = exp_avgs[i].float()
-            exp_avg_sq = exp_avg_sqs[i].float()
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
 
-        step = step_t.item()
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        step_size = lr / bias_correction1
-        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
-        p.addcdiv_(exp_avg, denom, value=-step_size)
-        if p is not param:
-            param.copy_(p)
+    def decode(i):
+        if mode == "8bit":
+            return (_quant.dequantize(exp_avgs[i], exp_avg_absmax[i], signed=True),
+                    _quant.dequantize(exp_avg_sqs[i], exp_avg_sq_absmax[i], signed=False), None)  # fmt: skip
+        return exp_avgs[i].float(), exp_avg_sqs[i].float(), None
+
+    def encode(i, exp_avg, exp_avg_sq):
         if mode == "8bit":
             _quant.quantize(exp_avg, True, exp_avgs[i], exp_avg_absmax[i])
             _quant.quantize(exp_avg_sq, False, exp_avg_sqs[i], exp_avg_sq_absmax[i])
-        elif param.numel():
-            bits = _quant.sr_bits(_quant.sr_key(seed, i), param.numel(), param.device)
+        elif params[i].numel():
+            bits = _quant.sr_bits(_quant.sr_key(seed, i), params[i].numel(), params[i].device)
             for state, new, rand in ((exp_avgs[i], exp_avg, bits & 0xFFFF), (exp_avg_sqs[i], exp_avg_sq, bits >> 16)):
                 _quant.memory_flat(state).copy_(_quant.round_bf16_stochastic(_quant.memory_flat(new), rand))
+
+    _adam_steps(
+        "adam_step_lowp_", params, grads, state_steps, master_params, lr, grad_scale, found_inf, decode, encode,
+        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize, decoupled=decoupled,
+    )  # fmt: skip
 
 
 @torch.no_grad()

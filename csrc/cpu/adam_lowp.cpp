@@ -80,59 +80,24 @@ void adam_step_lowp_(const std::vector<at::Tensor>& params, const std::vector<at
                        master_params);
   const size_t n = params.size();
   if (n == 0) return;
-  TORCH_CHECK(params[0].is_cpu(), "fastops.adam_step_lowp_ (C++ CPU backend): params[0] is on ",
-              params[0].device().str(), "; these kernels take CPU tensors");
-  const at::Device device = params[0].device();
-  check_scalar(lr, "adam_step_lowp_", "lr", device);
-  if (grad_scale.has_value()) check_scalar(*grad_scale, "adam_step_lowp_", "grad_scale", device);
-  if (found_inf.has_value()) check_scalar(*found_inf, "adam_step_lowp_", "found_inf", device);
-  if (found_inf.has_value() && read_scalar(*found_inf) != 0) return;
-  const double lr_v = read_scalar(lr);
-
   LowpConsts c{};
-  AdamConsts& a = c.adam;
-  a.lerp_weight = static_cast<float>(1 - beta1);
-  a.lerp_weight_m1 = a.lerp_weight - 1.0f;
-  a.lerp_low = std::abs(a.lerp_weight) < 0.5f;
-  a.beta2 = static_cast<float>(beta2);
-  a.one_minus_beta2 = static_cast<float>(1 - beta2);
-  a.eps = static_cast<float>(eps);
-  a.l2 = weight_decay != 0 && !decoupled;
-  a.weight_decay = static_cast<float>(weight_decay);
-  a.decay = (weight_decay != 0 && decoupled) ? static_cast<float>(1 - lr_v * weight_decay) : 1.0f;
-  a.amsgrad = false;
-  a.grad = grad_scaling(grad_scale, maximize);
+  double lr_v;
+  if (!adam_host_setup("adam_step_lowp_", params, lr, beta1, beta2, eps, weight_decay, maximize, decoupled,
+                       grad_scale, found_inf, c.adam, lr_v)) {
+    return;
+  }
   c.eight_bit = exp_avgs[0].scalar_type() == at::kByte;
   c.signed_map = &quant_map(true);
   c.unsigned_map = &quant_map(false);
 
-  const bool master = !master_params.empty();
   std::vector<LowpTensor> work(n);
   for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& st = state_steps[i];
-    double step;
-    if (st.is_cpu()) {
-      float* sp = static_cast<float*>(st.data_ptr());
-      *sp += 1.0f;
-      step = *sp;
-    } else {
-      st.add_(1);
-      step = st.item<double>();
-    }
-    const double bc1 = 1 - std::pow(beta1, step);
-    const double bc2 = 1 - std::pow(beta2, step);
     LowpTensor& w = work[i];
-    w.param = params[i].data_ptr();
-    w.grad = grads[i].const_data_ptr();
+    adam_tensor(w, i, params, grads, master_params, state_steps, lr_v, beta1, beta2);
     w.exp_avg = exp_avgs[i].data_ptr();
     w.exp_avg_sq = exp_avg_sqs[i].data_ptr();
     w.exp_avg_absmax = c.eight_bit ? static_cast<float*>(exp_avg_absmax[i].data_ptr()) : nullptr;
     w.exp_avg_sq_absmax = c.eight_bit ? static_cast<float*>(exp_avg_sq_absmax[i].data_ptr()) : nullptr;
-    w.master = master ? static_cast<float*>(master_params[i].data_ptr()) : nullptr;
-    w.numel = params[i].numel();
-    w.dtype = to_dtype(params[i].scalar_type());
-    w.neg_step_size = static_cast<float>(-(lr_v / bc1));
-    w.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
     w.sr_key = sr_key(seed, static_cast<int64_t>(i));
   }
 

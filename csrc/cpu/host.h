@@ -1,7 +1,8 @@
-// Host-side helpers shared by adam.cpp and amp.cpp.
+// Host-side helpers shared by adam.cpp, adam_lowp.cpp, sgd.cpp and amp.cpp.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -10,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "cpu/kernels.h"
+#include "fastops.h"
 
 namespace fastops {
 namespace cpu {
@@ -40,6 +42,63 @@ inline GradScaling grad_scaling(const std::optional<at::Tensor>& grad_scale, boo
   }
   g.sign = maximize ? -1.0f : 1.0f;
   return g;
+}
+
+// The host side of adam_step_ and adam_step_lowp_ before their kernels: params on the CPU, the scalar checks,
+// found_inf, and the update's constants (amsgrad left false). Returns false when the step is skipped (found_inf
+// set), with nothing written.
+inline bool adam_host_setup(const char* op, const std::vector<at::Tensor>& params, const at::Tensor& lr, double beta1,
+                            double beta2, double eps, double weight_decay, bool maximize, bool decoupled,
+                            const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                            AdamConsts& c, double& lr_v) {
+  TORCH_CHECK(params[0].is_cpu(), "fastops.", op, " (C++ CPU backend): params[0] is on ", params[0].device().str(),
+              "; these kernels take CPU tensors");
+  const at::Device device = params[0].device();
+  check_scalar(lr, op, "lr", device);
+  if (grad_scale.has_value()) check_scalar(*grad_scale, op, "grad_scale", device);
+  if (found_inf.has_value()) check_scalar(*found_inf, op, "found_inf", device);
+  if (found_inf.has_value() && read_scalar(*found_inf) != 0) return false;
+  lr_v = read_scalar(lr);
+  c = AdamConsts{};
+  c.lerp_weight = static_cast<float>(1 - beta1);
+  c.lerp_weight_m1 = c.lerp_weight - 1.0f;
+  c.lerp_low = std::abs(c.lerp_weight) < 0.5f;
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta2 = static_cast<float>(1 - beta2);
+  c.eps = static_cast<float>(eps);
+  c.l2 = weight_decay != 0 && !decoupled;
+  c.weight_decay = static_cast<float>(weight_decay);
+  c.decay = (weight_decay != 0 && decoupled) ? static_cast<float>(1 - lr_v * weight_decay) : 1.0f;
+  c.amsgrad = false;
+  c.grad = grad_scaling(grad_scale, maximize);
+  return true;
+}
+
+// Tensor i's fields every Adam kernel takes (param, grad, master, numel, dtype), its step counter bumped by one in
+// fp32 (as `step_t += 1`) and the step's -lr / bias_correction1 and sqrt(bias_correction2) from the new value: in fp64
+// and rounded once, with std::pow, the libm pow the reference's Python `beta ** step` calls, so the scalars are the
+// reference's.
+template <class Work>
+void adam_tensor(Work& w, size_t i, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                 const std::vector<at::Tensor>& master_params, const std::vector<at::Tensor>& state_steps, double lr,
+                 double beta1, double beta2) {
+  const at::Tensor& st = state_steps[i];
+  double step;
+  if (st.is_cpu()) {
+    float* sp = static_cast<float*>(st.data_ptr());
+    *sp += 1.0f;
+    step = *sp;
+  } else {
+    st.add_(1);
+    step = st.item<double>();
+  }
+  w.neg_step_size = static_cast<float>(-(lr / (1 - std::pow(beta1, step))));
+  w.bc2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(beta2, step)));
+  w.param = params[i].data_ptr();
+  w.grad = grads[i].const_data_ptr();
+  w.master = master_params.empty() ? nullptr : static_cast<float*>(master_params[i].data_ptr());
+  w.numel = params[i].numel();
+  w.dtype = to_dtype(params[i].scalar_type());
 }
 
 // All tensors of a call laid end to end in one index space, each padded to a multiple of kAlign elements

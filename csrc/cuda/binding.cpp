@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -258,26 +257,29 @@ void check_on_cuda(const at::Tensor& first, const char* op) {
               "; these kernels take CUDA tensors");
 }
 
-void adam_step_(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
-                const TensorList& exp_avg_sqs, const TensorList& max_exp_avg_sqs, const TensorList& state_steps,
-                const TensorList& master_params, const at::Tensor& lr, double beta1, double beta2, double eps,
-                double weight_decay, bool amsgrad, bool maximize, bool decoupled,
-                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad);
+// What adam_step_ and adam_step_lowp_ share after their own argument checks: the device checks, the step counters,
+// the launch scalars every Adam kernel takes (into a's AdamCommonArgs; the op's own fields are set by the caller),
+// then one launch per param dtype over a table whose rows are the common columns (kernels.cuh's AdamCol), then
+// own(i) (tensor i's own columns), then numel.
+template <class Args, class Own>
+void launch_adam(const char* op, int64_t tag, Args a, const TensorList& params, const TensorList& grads,
+                 const TensorList& exp_avgs, const TensorList& exp_avg_sqs, const TensorList& state_steps,
+                 const TensorList& master_params, const at::Tensor& lr, double beta1, double beta2, double eps,
+                 double weight_decay, bool maximize, bool decoupled, const std::optional<at::Tensor>& grad_scale,
+                 const std::optional<at::Tensor>& found_inf, const Own& own,
+                 cudaError_t (*launch)(ScalarKind, const Args&, int, cudaStream_t)) {
   if (params.empty()) return;
   const at::Device device = params[0].device();
-  check_on_cuda(params[0], "adam_step_");
+  check_on_cuda(params[0], op);
   for (size_t i = 0; i < state_steps.size(); ++i) {
-    TORCH_CHECK(state_steps[i].device() == device, "fastops.adam_step_: state_steps[", i, "] is on ",
+    TORCH_CHECK(state_steps[i].device() == device, "fastops.", op, ": state_steps[", i, "] is on ",
                 state_steps[i].device().str(), " but params[0] is on ", device.str(),
                 "; the kernel reads each step through a pointer");
   }
   const c10::cuda::CUDAGuard guard(device);
   const LaunchContext ctx = launch_context();
-
-  const StepScalars sc = step_scalars("adam_step_", device, lr, grad_scale, found_inf);
+  const StepScalars sc = step_scalars(op, device, lr, grad_scale, found_inf);
   if (sc.skip) return;
-
   // The kernels skip the whole step when *found_inf != 0; the counters follow with a device op.
   if (sc.inf.on_device.defined()) {
     at::_foreach_add_(state_steps, sc.inf.on_device.reshape({}).eq(at::Scalar(0.0)).to(at::kFloat));
@@ -285,48 +287,63 @@ void adam_step_(const TensorList& params, const TensorList& grads, const TensorL
     at::_foreach_add_(state_steps, at::Scalar(1.0));
   }
 
-  AdamArgs a{};
-  a.lr_ptr = sc.lr.ptr();
-  a.lr = static_cast<float>(sc.lr.value);
-  a.decay = static_cast<float>(1 - sc.lr.value * weight_decay);
-  a.grad_scale_ptr = sc.scale.ptr();
-  a.grad_scale = grad_scale.has_value() ? static_cast<float>(sc.scale.value) : 1.0f;
-  a.has_grad_scale = grad_scale.has_value();
-  a.found_inf = sc.inf.ptr();
-  a.beta2 = static_cast<float>(beta2);
-  a.one_minus_beta2 = static_cast<float>(1 - beta2);
-  a.lerp_weight = static_cast<float>(1 - beta1);
-  a.lerp_small = std::abs(a.lerp_weight) < 0.5f;
-  a.log_beta1 = beta1 > 0 ? static_cast<float>(std::log(beta1)) : -std::numeric_limits<float>::infinity();
-  a.log_beta2 = beta2 > 0 ? static_cast<float>(std::log(beta2)) : -std::numeric_limits<float>::infinity();
-  a.eps = static_cast<float>(eps);
-  a.weight_decay = static_cast<float>(weight_decay);
-  a.wd_mode = weight_decay == 0 ? 0 : (decoupled ? 2 : 1);
-  a.maximize = maximize;
-  a.amsgrad = amsgrad;
-  a.has_master = !master_params.empty();
+  AdamCommonArgs& c = a;
+  c.lr_ptr = sc.lr.ptr();
+  c.lr = static_cast<float>(sc.lr.value);
+  c.decay = static_cast<float>(1 - sc.lr.value * weight_decay);
+  c.grad_scale_ptr = sc.scale.ptr();
+  c.grad_scale = grad_scale.has_value() ? static_cast<float>(sc.scale.value) : 1.0f;
+  c.has_grad_scale = grad_scale.has_value();
+  c.found_inf = sc.inf.ptr();
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta2 = static_cast<float>(1 - beta2);
+  c.lerp_weight = static_cast<float>(1 - beta1);
+  c.lerp_small = std::abs(c.lerp_weight) < 0.5f;
+  c.beta1_64 = beta1;
+  c.beta2_64 = beta2;
+  c.eps = static_cast<float>(eps);
+  c.weight_decay = static_cast<float>(weight_decay);
+  c.weight_decay64 = weight_decay;
+  c.wd_mode = weight_decay == 0 ? 0 : (decoupled ? 2 : 1);
+  c.maximize = maximize;
+  c.has_master = !master_params.empty();
 
   for (const auto& group : group_by_dtype(params)) {
     std::vector<int64_t> flat;
-    flat.reserve(group.second.size() * kAdamCols);
     for (size_t i : group.second) {
       flat.push_back(address(params[i].data_ptr()));
       flat.push_back(address(grads[i].const_data_ptr()));
       flat.push_back(address(exp_avgs[i].data_ptr()));
       flat.push_back(address(exp_avg_sqs[i].data_ptr()));
-      flat.push_back(amsgrad ? address(max_exp_avg_sqs[i].data_ptr()) : 0);
-      flat.push_back(a.has_master ? address(master_params[i].data_ptr()) : 0);
+      flat.push_back(c.has_master ? address(master_params[i].data_ptr()) : 0);
       flat.push_back(address(state_steps[i].data_ptr()));
+      own(i, flat);
       flat.push_back(params[i].numel());
     }
-    const auto table =
-        tables().get(make_key(kAdamTag, device, flat), flat, kAdamCols, device, ctx.stream, ctx.capturing);
+    const int64_t cols = static_cast<int64_t>(flat.size() / group.second.size());
+    const auto table = tables().get(make_key(tag, device, flat), flat, cols, device, ctx.stream, ctx.capturing);
     if (table->n_chunks == 0) continue;
-    a.tensors = table->rows();
-    a.chunks = table->chunks();
-    a.n_chunks = table->n_chunks;
-    C10_CUDA_CHECK(adam_step(kind_of(group.first), a, ctx.max_blocks, ctx.stream));
+    c.tensors = table->rows();
+    c.chunks = table->chunks();
+    c.n_chunks = table->n_chunks;
+    C10_CUDA_CHECK(launch(kind_of(group.first), a, ctx.max_blocks, ctx.stream));
   }
+}
+
+void adam_step_(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+                const TensorList& exp_avg_sqs, const TensorList& max_exp_avg_sqs, const TensorList& state_steps,
+                const TensorList& master_params, const at::Tensor& lr, double beta1, double beta2, double eps,
+                double weight_decay, bool amsgrad, bool maximize, bool decoupled,
+                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad);
+  AdamArgs a{};
+  a.amsgrad = amsgrad;
+  launch_adam("adam_step_", kAdamTag, a, params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, lr, beta1,
+              beta2, eps, weight_decay, maximize, decoupled, grad_scale, found_inf,
+              [&](size_t i, std::vector<int64_t>& row) {
+                row.push_back(amsgrad ? address(max_exp_avg_sqs[i].data_ptr()) : 0);
+              },
+              adam_step);
 }
 
 void adam_step_lowp_(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
@@ -338,71 +355,17 @@ void adam_step_lowp_(const TensorList& params, const TensorList& grads, const Te
   check_adam_lowp_args(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, state_steps,
                        master_params);
   if (params.empty()) return;
-  const size_t n = params.size();
-  const bool eight_bit = exp_avgs[0].scalar_type() == at::kByte;
-  const at::Device device = params[0].device();
-  check_on_cuda(params[0], "adam_step_lowp_");
-  for (size_t i = 0; i < n; ++i) {
-    TORCH_CHECK(state_steps[i].device() == device, "fastops.adam_step_lowp_: state_steps[", i, "] is on ",
-                state_steps[i].device().str(), " but params[0] is on ", device.str(),
-                "; the kernel reads each step through a pointer");
-  }
-  const c10::cuda::CUDAGuard guard(device);
-  const LaunchContext ctx = launch_context();
-  const StepScalars sc = step_scalars("adam_step_lowp_", device, lr, grad_scale, found_inf);
-  if (sc.skip) return;
-  if (sc.inf.on_device.defined()) {
-    at::_foreach_add_(state_steps, sc.inf.on_device.reshape({}).eq(at::Scalar(0.0)).to(at::kFloat));
-  } else {
-    at::_foreach_add_(state_steps, at::Scalar(1.0));
-  }
-
   AdamLowpArgs a{};
-  a.lr_ptr = sc.lr.ptr();
-  a.lr = static_cast<float>(sc.lr.value);
-  a.decay = static_cast<float>(1 - sc.lr.value * weight_decay);
-  a.grad_scale_ptr = sc.scale.ptr();
-  a.grad_scale = grad_scale.has_value() ? static_cast<float>(sc.scale.value) : 1.0f;
-  a.has_grad_scale = grad_scale.has_value();
-  a.found_inf = sc.inf.ptr();
-  a.beta2 = static_cast<float>(beta2);
-  a.one_minus_beta2 = static_cast<float>(1 - beta2);
-  a.lerp_weight = static_cast<float>(1 - beta1);
-  a.lerp_small = std::abs(a.lerp_weight) < 0.5f;
-  a.beta1_64 = beta1;
-  a.beta2_64 = beta2;
-  a.eps = static_cast<float>(eps);
-  a.weight_decay = static_cast<float>(weight_decay);
-  a.weight_decay64 = weight_decay;
-  a.wd_mode = weight_decay == 0 ? 0 : (decoupled ? 2 : 1);
-  a.maximize = maximize;
-  a.has_master = !master_params.empty();
-  a.eight_bit = eight_bit;
+  a.eight_bit = exp_avgs[0].scalar_type() == at::kByte;
   a.seed = static_cast<uint32_t>(static_cast<uint64_t>(seed) & 0xFFFFFFFFu);
-
-  for (const auto& group : group_by_dtype(params)) {
-    std::vector<int64_t> flat;
-    flat.reserve(group.second.size() * kLowpCols);
-    for (size_t i : group.second) {
-      flat.push_back(address(params[i].data_ptr()));
-      flat.push_back(address(grads[i].const_data_ptr()));
-      flat.push_back(address(exp_avgs[i].data_ptr()));
-      flat.push_back(address(exp_avg_sqs[i].data_ptr()));
-      flat.push_back(eight_bit ? address(exp_avg_absmax[i].data_ptr()) : 0);
-      flat.push_back(eight_bit ? address(exp_avg_sq_absmax[i].data_ptr()) : 0);
-      flat.push_back(a.has_master ? address(master_params[i].data_ptr()) : 0);
-      flat.push_back(address(state_steps[i].data_ptr()));
-      flat.push_back(static_cast<int64_t>(i));
-      flat.push_back(params[i].numel());
-    }
-    const auto table =
-        tables().get(make_key(kLowpTag, device, flat), flat, kLowpCols, device, ctx.stream, ctx.capturing);
-    if (table->n_chunks == 0) continue;
-    a.tensors = table->rows();
-    a.chunks = table->chunks();
-    a.n_chunks = table->n_chunks;
-    C10_CUDA_CHECK(adam_step_lowp(kind_of(group.first), a, ctx.max_blocks, ctx.stream));
-  }
+  launch_adam("adam_step_lowp_", kLowpTag, a, params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, lr,
+              beta1, beta2, eps, weight_decay, maximize, decoupled, grad_scale, found_inf,
+              [&](size_t i, std::vector<int64_t>& row) {
+                row.push_back(a.eight_bit ? address(exp_avg_absmax[i].data_ptr()) : 0);
+                row.push_back(a.eight_bit ? address(exp_avg_sq_absmax[i].data_ptr()) : 0);
+                row.push_back(static_cast<int64_t>(i));
+              },
+              adam_step_lowp);
 }
 
 void sgd_step_(const TensorList& params, const TensorList& grads, const TensorList& momentum_buffers,

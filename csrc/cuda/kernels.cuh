@@ -1,4 +1,4 @@
-// CUDA kernels of fastops: raw-pointer launchers (adam.cu, amp.cu) and the table layout the binding
+// CUDA kernels of fastops: raw-pointer launchers (adam.cu, adam_lowp.cu, sgd.cu, amp.cu) and the table layout the binding
 // (binding.cpp) fills. Only CUDA headers here, so `nvcc -c` builds the .cu files without torch.
 //
 // Every launcher walks a chunk table, as apex's multi_tensor_apply does: entry c is (tensor index, chunk
@@ -22,34 +22,29 @@ constexpr int64_t kChunkSize = 65536;
 // 512 threads x 4 elements a trip: 32 trips per full chunk.
 constexpr int kThreads = 512;
 
-// Columns of the Adam per-tensor table. Absent pointers (max_exp_avg_sq without amsgrad, master without
-// master params) are 0.
+// The columns every Adam per-tensor table starts with (adam_step_ and adam_step_lowp_): an op's own columns
+// follow from kAdamOwn, and numel is last. Absent pointers (master without master params) are 0.
 enum AdamCol : int {
   kAdamParam = 0,
   kAdamGrad = 1,
   kAdamExpAvg = 2,
   kAdamExpAvgSq = 3,
-  kAdamMaxExpAvgSq = 4,
-  kAdamMaster = 5,
-  kAdamStep = 6,  // float32 step counter, already incremented for this step
-  kAdamNumel = 7,
-  kAdamCols = 8,
+  kAdamMaster = 4,
+  kAdamStep = 5,  // float32 step counter, already incremented for this step
+  kAdamOwn = 6,
 };
 
-// Columns of the adam_step_lowp_ per-tensor table. Absmax pointers are 0 with bf16 states, master 0 without
-// master params. kLowpIndex: the tensor's position in the op's lists (the stochastic-rounding key's input).
+// adam_step_'s own column: max_exp_avg_sq (0 without amsgrad).
+enum FullCol : int { kAdamMaxExpAvgSq = kAdamOwn, kAdamNumel = kAdamOwn + 1, kAdamCols = kAdamOwn + 2 };
+
+// adam_step_lowp_'s own columns. Absmax pointers are 0 with bf16 states. kLowpIndex: the tensor's position in
+// the op's lists (the stochastic-rounding key's input).
 enum LowpCol : int {
-  kLowpParam = 0,
-  kLowpGrad = 1,
-  kLowpExpAvg = 2,
-  kLowpExpAvgSq = 3,
-  kLowpExpAvgAbsmax = 4,
-  kLowpExpAvgSqAbsmax = 5,
-  kLowpMaster = 6,
-  kLowpStep = 7,
-  kLowpIndex = 8,
-  kLowpNumel = 9,
-  kLowpCols = 10,
+  kLowpExpAvgAbsmax = kAdamOwn,
+  kLowpExpAvgSqAbsmax = kAdamOwn + 1,
+  kLowpIndex = kAdamOwn + 2,
+  kLowpNumel = kAdamOwn + 3,
+  kLowpCols = kAdamOwn + 4,
 };
 
 // Columns of the SGD per-tensor table. Absent pointers (momentum buffer without momentum, master without
@@ -59,10 +54,10 @@ enum SgdCol : int { kSgdParam = 0, kSgdGrad = 1, kSgdBuf = 2, kSgdMaster = 3, kS
 // Columns of the grad table (unscale_check_, grad_stats).
 enum GradCol : int { kGradPtr = 0, kGradNumel = 1, kGradCols = 2 };
 
-// Scalars of one Adam launch. Pointers are device fp32 scalars read in the kernel (what CUDA-graph
-// capture needs); nullptr means "use the value field".
-struct AdamArgs {
-  const int64_t* tensors;  // [n_tensors][kAdamCols]
+// Scalars of one Adam launch, shared by adam_step_ and adam_step_lowp_. Pointers are device fp32 scalars read in
+// the kernel (what CUDA-graph capture needs); nullptr means "use the value field".
+struct AdamCommonArgs {
+  const int64_t* tensors;  // [n_tensors][kAdamCols or kLowpCols]
   const int64_t* chunks;   // [n_chunks][2]
   int64_t n_chunks;
   const float* lr_ptr;
@@ -76,42 +71,23 @@ struct AdamArgs {
   float one_minus_beta2;  // fp32(1 - beta2 in fp64), as torch passes value=1 - beta2
   float lerp_weight;      // fp32(1 - beta1)
   bool lerp_small;        // |lerp_weight| < 0.5: torch.lerp's choice of formula
-  float log_beta1;        // fp32(log(beta1) in fp64); -inf for beta1 = 0
-  float log_beta2;
-  float eps;
-  float weight_decay;
-  int wd_mode;  // 0 none, 1 L2 (Adam), 2 decoupled (AdamW)
-  bool maximize;
-  bool amsgrad;
-  bool has_master;
-};
-
-// Scalars of one adam_step_lowp_ launch; pointers and fp32 fields as in AdamArgs.
-struct AdamLowpArgs {
-  const int64_t* tensors;  // [n_tensors][kLowpCols]
-  const int64_t* chunks;   // [n_chunks][2]
-  int64_t n_chunks;
-  const float* lr_ptr;
-  float lr;
-  float decay;
-  const float* grad_scale_ptr;
-  float grad_scale;
-  bool has_grad_scale;
-  const float* found_inf;
-  float beta2;
-  float one_minus_beta2;
-  float lerp_weight;
-  bool lerp_small;
-  double beta1_64;  // the bias corrections are computed in fp64
+  double beta1_64;        // the bias corrections are computed in fp64 (adam_math.cuh)
   double beta2_64;
   float eps;
   float weight_decay;
   double weight_decay64;  // for 1 - lr * weight_decay when lr is read in the kernel
-  int wd_mode;
+  int wd_mode;            // 0 none, 1 L2 (Adam), 2 decoupled (AdamW)
   bool maximize;
   bool has_master;
-  bool eight_bit;      // uint8 codes + absmax, else bf16 states
-  uint32_t seed;       // low 32 bits of the op's seed
+};
+
+struct AdamArgs : AdamCommonArgs {
+  bool amsgrad;
+};
+
+struct AdamLowpArgs : AdamCommonArgs {
+  bool eight_bit;  // uint8 codes + absmax, else bf16 states
+  uint32_t seed;   // low 32 bits of the op's seed
 };
 
 // Scalars of one SGD launch; pointers as in AdamArgs.
