@@ -198,7 +198,8 @@ if cuda_headers is not None:
     extra["nvcc"] = ["-O3", "-std=c++17", "-lineinfo"]
 
 setup(
-    packages=["fastops", "fastops.accelerate", "fastops.kernels", "fastops.optim"],
+    packages=["fastops", "fastops._specs", "fastops.accelerate", "fastops.compile_check", "fastops.kernels",
+              "fastops.optim"],
     package_dir={"fastops": "fastops", "fastops.kernels": "kernels"},
     ext_modules=[
         ext_cls(

@@ -1,4 +1,4 @@
-"""Bad input gets a clear error naming the problem, on every CPU backend; never a silently wrong result."""
+"""Bad input gets a clear error naming the problem, on every backend; never a silently wrong result."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import fastops
-from tests.test_ops import adam_inputs
+from fastops import _backend
+from fastops._specs import SPECS
+from tests.devices import PAIRS
 
 ops = torch.ops.fastops
 
@@ -164,92 +166,46 @@ def test_dense_permuted_params_work_like_torch(cpu_backend):
     torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
 
 
-def test_grad_with_wrong_dtype_or_shape_at_the_op(cpu_backend):
-    args = adam_inputs([5, 4])
-    args[1] = [args[1][0], args[1][1].half()]
-    with pytest.raises(RuntimeError, match=r"grads\[1\] has dtype torch.float16"):
-        ops.adam_step_(*args)
-    args = adam_inputs([5, 4])
-    args[1] = [args[1][0], torch.zeros(3)]
-    with pytest.raises(RuntimeError, match=r"grads\[1\] has shape \(3,\) but params\[1\] has shape \(4,\)"):
-        ops.adam_step_(*args)
-    args = adam_inputs([5, 4])
-    args[2] = args[2][:1]
-    with pytest.raises(RuntimeError, match="expected 2 exp_avgs"):
-        ops.adam_step_(*args)
-    args = adam_inputs([5, 4])
-    args[3] = [args[3][0], args[3][1].bfloat16()]
-    with pytest.raises(RuntimeError, match=r"exp_avg_sqs\[1\] has dtype torch.bfloat16"):
-        ops.adam_step_(*args)
+def _bits(t):
+    t = t.reshape(-1)
+    if t.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16).long()
+    return t.long()
 
 
-def test_bad_grads_at_the_amp_ops(cpu_backend):
-    with pytest.raises(RuntimeError, match=r"grads\[1\] has dtype torch.int64"):
-        ops.unscale_check_([torch.ones(3), torch.ones(3, dtype=torch.long)], torch.zeros(1), torch.tensor(1.0))
-    with pytest.raises(RuntimeError, match="needs at least one tensor"):
-        ops.grad_stats([])
+def _snapshot(args):
+    """Each tensor's bits (nan payloads and -0.0 compared as written), dense copies of gapped ones."""
+    return [[_bits(t.cpu()) for t in a] if isinstance(a, list) else a for a in args]
 
 
-def _lowp_bad_calls():
-    from tests.test_lowp_ops import lowp_inputs
-
-    def with_(i, value, **kw):
-        args = lowp_inputs([300, 3], **kw)
-        args[i] = value(args) if callable(value) else value
-        return args
-
-    return {
-        "one exp_avg short": with_(2, lambda a: a[2][:1]),
-        "one master short": with_(7, lambda a: a[7][:1], master=True),
-        "fp16 grad for fp32 param": with_(1, lambda a: [a[1][0].half(), a[1][1]]),
-        "int param": with_(0, lambda a: [torch.zeros(300, dtype=torch.int32), a[0][1]]),
-        "gapped param": with_(0, lambda a: [torch.zeros(600)[::2], a[0][1]]),
-        "fp32 states": with_(2, lambda a: [torch.zeros(300), torch.zeros(3)]),
-        "bf16 exp_avg_sq with uint8 exp_avg": with_(3, lambda a: [c.bfloat16() for c in a[3]]),
-        "state shape": with_(3, lambda a: [a[3][0], torch.zeros(4, dtype=torch.uint8)]),
-        "state strides": [[torch.zeros(30, 20).t()], [torch.zeros(30, 20).t()], [torch.zeros(20, 30, dtype=torch.uint8)],
-                          [torch.zeros(20, 30, dtype=torch.uint8)], [torch.zeros(3)], [torch.zeros(3)]]
-                         + lowp_inputs([6])[6:],  # fmt: skip
-        "fp16 master": with_(7, lambda a: [m.half() for m in a[7]], master=True),
-        "int state step": with_(6, lambda a: [torch.tensor(1), a[6][1]]),
-        "absmax list short": with_(4, lambda a: a[4][:1]),
-        "absmax too short": with_(5, lambda a: [torch.zeros(1), a[5][1]]),
-        "absmax float64": with_(4, lambda a: [a[4][0].double(), a[4][1]]),
-        "absmax given with bf16 states": with_(4, [torch.zeros(2), torch.zeros(1)], mode="bf16"),
-        "lr with two elements": with_(8, torch.tensor([0.1, 0.1])),
-        "integer grad_scale": with_(16, torch.tensor(2)),
-        "found_inf with two elements": with_(17, torch.zeros(2)),
-    }
+@pytest.mark.parametrize("device,backend", PAIRS)
+@pytest.mark.parametrize("name", list(SPECS))
+def test_bad_input_fails_alike_on_every_backend(name, device, backend):
+    """Each bad call of the op's spec (fastops/_specs) raises the spec's error with its message word for word, on
+    every (device, backend) pair, and writes nothing: the op checks once, before any backend runs (the CUDA
+    C++ binding once had weaker checks of its own: a transposed grad reached a kernel that walks memory flat)."""
+    with _backend.use(device, backend):
+        for bad in SPECS[name].bad_inputs(device):
+            before = _snapshot(bad.args)
+            with pytest.raises(bad.error) as err:
+                getattr(ops, name)(*bad.args)
+            assert str(err.value) == bad.message, bad.id
+            for got, want in zip(_snapshot(bad.args), before):
+                if isinstance(got, list):
+                    assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{bad.id}: an argument was written"
 
 
-def _on(device, args):
-    if device == "cpu":
-        return args
-    return [[t.to(device) for t in a] if isinstance(a, list) else a.to(device) if isinstance(a, torch.Tensor) else a
-            for a in args]  # fmt: skip
+@pytest.mark.parametrize("name", list(SPECS))
+def test_bad_input_fails_while_tracing(name):
+    """The fake kernel runs the same check on metadata, so inside torch.compile a bad call fails when traced."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-
-@pytest.mark.parametrize("backend,device", [("cpp", "cpu"), ("triton", "cpu"),
-                                            pytest.param("cuda", "cuda", marks=pytest.mark.cuda),
-                                            pytest.param("triton", "cuda", marks=pytest.mark.cuda)])  # fmt: skip
-@pytest.mark.parametrize("case", list(_lowp_bad_calls()))
-def test_lowp_bad_input_fails_alike_on_every_backend(case, backend, device):
-    """adam_step_lowp_'s checks say what _checks.check_adam_lowp_args says, word for word, on every backend (the
-    CUDA C++ binding once had weaker checks of its own: a transposed grad reached a kernel that walks memory
-    flat), and nothing is written."""
-    from fastops import _backend, reference
-    from tests.test_lowp_ops import _bits, _clone
-
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    with pytest.raises(RuntimeError) as ref_err:
-        reference.adam_step_lowp_(*_lowp_bad_calls()[case])
-    args = _on(device, _lowp_bad_calls()[case])
-    before = _clone(args)
-    with pytest.raises(RuntimeError) as err:
-        _backend.load(backend, device).adam_step_lowp_(*args)
-    want = str(ref_err.value).replace("cpu", str(torch.empty(0, device=device).device))  # "cuda:0" on a GPU
-    assert str(err.value) == want and str(err.value).startswith("fastops")
-    for got, want in zip(args[:8], before[:8]):
-        for a, b in zip(got, want):
-            assert a.dtype != b.dtype or torch.equal(_bits(a), _bits(b))
+    for bad in SPECS[name].bad_inputs("cpu"):
+        if not bad.traced:
+            continue
+        with FakeTensorMode() as mode:
+            fake = [[mode.from_tensor(t) for t in a] if isinstance(a, list) else
+                    mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in bad.args]  # fmt: skip
+            with pytest.raises(bad.error) as err:
+                getattr(ops, name)(*fake)
+        assert str(err.value) == bad.message, bad.id

@@ -65,7 +65,7 @@ def test_resident_blocks_and_the_cuda_launch_rule(monkeypatch):
         (90, "grad_stats_reduce_kernel", {"REG": 128, "LOCAL": 0, "STACK": 0, "SHARED": 256}),
         (90, "new_kernel", {"REG": 16, "LOCAL": 0, "STACK": 0, "SHARED": 0}),
     ]
-    monkeypatch.setattr(cc, "resource_usage", lambda path: usage)
+    monkeypatch.setattr(cc.cuda, "resource_usage", lambda path: usage)  # the module that reads it
     errors = [r.error for r in cc.check_cuda_kernels("fastops/_C.so")]
     assert errors[0] == "" and errors[3] == ""
     assert "3 resident block(s)" in errors[1] and "assumes 4" in errors[1]

@@ -1,7 +1,8 @@
 """The Triton adam_step_lowp_ (fastops.kernels.adam_lowp) against fastops.reference: 8-bit codes, absmax and bf16
 states bit for bit; params within one ulp (2 of 5000 fp32 params came out 1 ulp apart with the step's fp32 scalars
 equal to the reference's; the cause is not found).
-Under the Triton interpreter on CPU without a GPU (conftest), compiled on CUDA with one."""
+Under the Triton interpreter on CPU without a GPU (conftest), compiled on CUDA with one: the cuda mark puts it in
+the GPU run (benchmarks/gpu_check.sh selects -m cuda); without a GPU it still runs, interpreted."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from fastops import _quant, reference  # noqa: E402
 from fastops.kernels import adam_lowp as klowp  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.cuda
 
 
 def _make(mode, sizes, dtypes, master, seed=0):

@@ -2,10 +2,12 @@
 // way Python prints them ("(4,)", "torch.float32", "cuda:0"); they are built only when a check fails.
 #include <cctype>
 #include <initializer_list>
+#include <optional>
 #include <sstream>
 #include <string>
 
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include "fastops.h"
 
@@ -225,3 +227,63 @@ void check_found_inf(const at::Tensor& found_inf, const char* op, const at::Devi
 }
 
 }  // namespace fastops
+
+// The op-boundary check of each op (fastops/_ops.py's dispatcher kernel calls it when fastops._C loads), with the
+// op's own arguments: the list checks above, then the tensor scalars, in fastops/_specs' order. The float
+// hyperparameters are checked in Python (a few compares). Registered as torch ops, torch.ops.fastops_checks.*.
+namespace {
+using TL = std::vector<at::Tensor>;
+using OptT = std::optional<at::Tensor>;
+
+void check_scalars(const char* op, const TL& params, const at::Tensor& lr, const OptT& grad_scale,
+                   const OptT& found_inf) {
+  if (params.empty()) return;
+  const at::Device device = params[0].device();
+  fastops::check_scalar(lr, op, "lr", device);
+  if (grad_scale.has_value()) fastops::check_scalar(*grad_scale, op, "grad_scale", device);
+  if (found_inf.has_value()) fastops::check_scalar(*found_inf, op, "found_inf", device);
+}
+}  // namespace
+
+TORCH_LIBRARY(fastops_checks, m) {
+  m.def("adam_step_(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, "
+        "Tensor[] max_exp_avg_sqs, Tensor[] state_steps, Tensor[] master_params, Tensor lr, float beta1, "
+        "float beta2, float eps, float weight_decay, bool amsgrad, bool maximize, bool decoupled, "
+        "Tensor? grad_scale, Tensor? found_inf) -> ()",
+        [](const TL& p, const TL& g, const TL& m1, const TL& m2, const TL& mx, const TL& st, const TL& mp,
+           const at::Tensor& lr, double, double, double, double, bool amsgrad, bool, bool, const OptT& gs,
+           const OptT& fi) {
+          fastops::check_adam_args(p, g, m1, m2, mx, st, mp, amsgrad);
+          check_scalars("adam_step_", p, lr, gs, fi);
+        });
+  m.def("adam_step_lowp_(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, "
+        "Tensor[] exp_avg_absmax, Tensor[] exp_avg_sq_absmax, Tensor[] state_steps, Tensor[] master_params, "
+        "Tensor lr, float beta1, float beta2, float eps, float weight_decay, bool maximize, bool decoupled, "
+        "SymInt seed, Tensor? grad_scale, Tensor? found_inf) -> ()",
+        [](const TL& p, const TL& g, const TL& m1, const TL& m2, const TL& a1, const TL& a2, const TL& st,
+           const TL& mp, const at::Tensor& lr, double, double, double, double, bool, bool, int64_t, const OptT& gs,
+           const OptT& fi) {
+          fastops::check_adam_lowp_args(p, g, m1, m2, a1, a2, st, mp);
+          check_scalars("adam_step_lowp_", p, lr, gs, fi);
+        });
+  m.def("sgd_step_(Tensor[] params, Tensor[] grads, Tensor[] momentum_buffers, Tensor[] master_params, Tensor lr, "
+        "float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, bool is_first_step, "
+        "Tensor? grad_scale, Tensor? found_inf) -> ()",
+        [](const TL& p, const TL& g, const TL& b, const TL& mp, const at::Tensor& lr, double, double momentum, double,
+           bool, bool, bool, const OptT& gs, const OptT& fi) {
+          fastops::check_sgd_args(p, g, b, mp, momentum);
+          check_scalars("sgd_step_", p, lr, gs, fi);
+        });
+  m.def("unscale_check_(Tensor[] grads, Tensor found_inf, Tensor inv_scale) -> ()",
+        [](const TL& g, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
+          fastops::check_grads(g, "unscale_check_");
+          if (g.empty()) return;
+          fastops::check_found_inf(found_inf, "unscale_check_", g[0].device());
+          fastops::check_scalar(inv_scale, "unscale_check_", "inv_scale", g[0].device());
+        });
+  m.def("grad_stats(Tensor[] grads, Tensor? inv_scale=None) -> ()", [](const TL& g, const OptT& inv_scale) {
+    TORCH_CHECK(!g.empty(), "fastops.grad_stats: needs at least one tensor");
+    fastops::check_grads(g, "grad_stats");
+    if (inv_scale.has_value()) fastops::check_scalar(*inv_scale, "grad_stats", "inv_scale", g[0].device());
+  });
+}
