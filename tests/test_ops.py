@@ -174,7 +174,7 @@ def _sgd_args(sizes, dtype, config, **kw):
 def _fma_on_both_sides():
     """Whether the C++ kernels and torch's own CPU kernels both run with FMA: only then is fp32 bit-identical."""
     mine = fastops._C.cpu_capability() if _backend._C is not None else "default"
-    return mine in ("avx2", "avx512") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return mine in ("avx2", "avx512", "avx512_vbmi") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
