@@ -161,6 +161,12 @@ def reference_pass(x, weight, bias, target, label_smoothing, scale, grad_rows, w
     return loss_rows, gx, gw.to(weight.dtype), gb.to(weight.dtype)
 
 
+def _loss_dtype(x):
+    # The op's loss stays in its fp32 (or fp64) accumulator: the wrapper rounds it to what the caller asks for, so
+    # fused_loss under autocast gives the fp32 loss autocast's cross_entropy gives, not one rounded to bf16.
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _forward_impl(x, weight, target, bias, ignore_index, reduction, label_smoothing, with_grad):
     _check_args(x, weight, target, bias, reduction, label_smoothing)
     h, v = x.shape[-1], weight.shape[0]
@@ -182,10 +188,10 @@ def _forward_impl(x, weight, target, bias, ignore_index, reduction, label_smooth
     if reduction == "none":
         full = loss_rows.new_zeros(n)
         full = loss_rows if idx is None else full.index_copy_(0, idx, loss_rows)
-        loss = full.to(x.dtype).reshape(target.shape)
+        loss = full.to(_loss_dtype(x)).reshape(target.shape)
     else:
         total = loss_rows.sum()
-        loss = (total / m if reduction == "mean" else total).to(x.dtype)  # mean of no rows: 0/0 = nan, as torch
+        loss = (total / m if reduction == "mean" else total).to(_loss_dtype(x))  # mean of no rows: 0/0 = nan, as torch
     if with_grad:
         gx = gxl if idx is None else x2.new_zeros(n, h).index_copy_(0, idx, gxl)
         gx = gx.reshape(x.shape)
@@ -220,7 +226,7 @@ def _backward_impl(grad_loss, x, weight, target, bias, ignore_index, reduction, 
 def _fake_forward(x, weight, target, bias, ignore_index, reduction, label_smoothing, with_grad):
     _check_args(x, weight, target, bias, reduction, label_smoothing)
     with_grad = with_grad and reduction != "none"
-    loss = x.new_empty(target.shape if reduction == "none" else ())
+    loss = x.new_empty(target.shape if reduction == "none" else (), dtype=_loss_dtype(x))
     gx = x.new_empty(x.shape if with_grad else (0,))
     gw = weight.new_empty(weight.shape if with_grad else (0,))
     gb = weight.new_empty((weight.shape[0],) if with_grad and bias is not None else (0,))
@@ -265,13 +271,16 @@ def _backward(ctx, grad_loss, _gx, _gw, _gb):
 torch.library.register_autograd("fastops::linear_cross_entropy", _backward, setup_context=_setup_context, lib=_lib)
 
 
-def linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0):
+def linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                         *, out_dtype=None):
     """``F.cross_entropy(F.linear(x, weight, bias), target, ignore_index=, reduction=, label_smoothing=)`` without
-    the logits. x: (..., H), weight: (V, H), bias: (V,) or None, target: (...) class indices. The loss has x's dtype;
-    a mean over no labeled row is nan, as torch's. For a batch accumulated over micro-batches, take
+    the logits. x: (..., H), weight: (V, H), bias: (V,) or None, target: (...) class indices. The loss has x's dtype
+    unless ``out_dtype`` says otherwise (torch.float32: what cross_entropy returns under autocast; the loss is
+    accumulated in fp32 either way); a mean over no labeled row is nan, as torch's. For a batch accumulated over micro-batches, take
     ``reduction="sum"`` and divide by the labeled-row count of the whole batch."""
     _check_args(x, weight, target, bias, reduction, label_smoothing)
     with_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                              or (bias is not None and bias.requires_grad))
-    return torch.ops.fastops.linear_cross_entropy(x, weight, target, bias, int(ignore_index), reduction,
+    loss = torch.ops.fastops.linear_cross_entropy(x, weight, target, bias, int(ignore_index), reduction,
                                                   float(label_smoothing), bool(with_grad))[0]
+    return loss.to(x.dtype if out_dtype is None else out_dtype)

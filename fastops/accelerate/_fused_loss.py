@@ -112,8 +112,10 @@ def _cross_entropy(stand: _Logits, target, weight=None, size_average=None, ignor
     cast = (lambda t: t if t is None or t.dtype == dtype else t.to(dtype))
     # The loss is what cross_entropy gives on logits rounded to stand.dtype: the op's row pass runs in fp32 on
     # logits rounded to the matmul dtype, which is stand.dtype or finer (HF upcasts to fp32 before the loss).
+    # cross_entropy runs in fp32 under autocast, and otherwise returns its logits' dtype (fp32 where HF upcasts).
+    out_dtype = torch.float32 if torch.is_autocast_enabled(x.device.type) else stand.dtype
     return linear_cross_entropy(cast(x), cast(w), target, bias=cast(b), ignore_index=ignore_index,
-                                reduction=reduction, label_smoothing=label_smoothing)
+                                reduction=reduction, label_smoothing=label_smoothing, out_dtype=out_dtype)
 
 
 def install(model: nn.Module) -> bool:
