@@ -11,8 +11,8 @@ namespace fastops {
 
 // The argument checks of fastops/_checks.py, with the same conditions, order and messages, so that a bad
 // call fails the same way on every backend. Device-agnostic (csrc/cpu/checks.cpp). fastops/_ops.py runs them
-// once per op call, before any backend (as torch.ops.fastops_checks.*, registered in checks.cpp), so a backend
-// need not call them again.
+// once per op call, before any backend (as torch.ops.fastops_checks.*, registered in checks.cpp); the backends do not
+// call them again and check only what guards memory (the device of the tensors they write).
 void check_adam_args(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                      const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                      const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& state_steps,

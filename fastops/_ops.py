@@ -59,7 +59,9 @@ SCHEMAS = {name: spec.schema for name, spec in SPECS.items()}
 # Where the one run-time check runs. Measured at 300 fp32 params of ~1000 elements (adam_step_, 1 thread, the 2-core
 # machine this repository's CI resembles; median of 7-9 runs): the specs' Python check (bulk tests, a message built
 # only on failure) 1170 us a call, the per-tensor checks of fastops/_checks.py it replaced 2100 us, csrc/cpu/checks.cpp
-# called from Python (torch.ops.fastops_checks.*) 224 us, the whole C++ CPU step 361 us. Under load every figure
+# called from Python (torch.ops.fastops_checks.*) 224 us, the whole C++ CPU step 361 us. Of the C++ check's cost
+# ~135 us is handing the tensor lists through torch.ops: the same checks run inside the backend took ~20 us (the
+# backends dropped them: a whole call 437-443 -> 418-419 us); a cheaper way in is the next thing to try. Under load every figure
 # grew ~4x and the ratio held (Python 5.3-5.8x the C++ check). So where fastops._C loads, the dispatcher kernel runs
 # the C++ check (same conditions, order and messages: tests/test_bad_input.py holds both to the specs' messages) and
 # only the float hyperparameters in Python (7 us); the Python check runs in the fake kernel (at trace time, paid

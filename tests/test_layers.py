@@ -16,7 +16,7 @@ ROOT = Path(fastops.__file__).resolve().parent
 # Bottom first. The key is a module's first name under fastops (fastops/optim/adam.py -> "optim"); "fastops" is the
 # package itself (fastops/__init__.py imports every layer).
 LAYERS = [
-    ("_util", "_checks", "_quant"),
+    ("_util", "_checks", "_quant", "_specs"),
     ("reference", "kernels", "_backend", "_ops", "_lce"),
     ("_grads",),
     ("optim", "data"),
