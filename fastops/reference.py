@@ -12,17 +12,13 @@ import math
 import torch
 
 from . import _quant
-from ._checks import check_adam_args, check_adam_lowp_args, check_found_inf, check_grads, check_scalar, check_sgd_args
 
 
-def _step_lr(op, params, lr, grad_scale, found_inf):
-    """The step's lr as a float, after the scalar checks; None when there is nothing to do (no params, or
-    found_inf set: a skipped step writes nothing)."""
+def _step_lr(params, lr, grad_scale, found_inf):
+    """The step's lr as a float; None when there is nothing to do (no params, or found_inf set: a skipped step
+    writes nothing)."""
     if not params:
         return None
-    for name, t in (("lr", lr), ("grad_scale", grad_scale), ("found_inf", found_inf)):
-        if t is not None:
-            check_scalar(t, op, name, params[0].device)
     if found_inf is not None and found_inf.item() != 0:
         return None
     return float(lr.item())
@@ -63,10 +59,10 @@ def _adam_update(p, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, 
     p.addcdiv_(exp_avg, denom, value=-step_size)
 
 
-def _adam_steps(op, params, grads, state_steps, master_params, lr, grad_scale, found_inf, states, store, **hyper):
+def _adam_steps(params, grads, state_steps, master_params, lr, grad_scale, found_inf, states, store, **hyper):
     """The per-tensor loop of both Adam ops: ``states(i)`` gives tensor i's fp32 (exp_avg, exp_avg_sq,
     max_exp_avg_sq or None) to update in place, ``store(i, exp_avg, exp_avg_sq)`` writes them back after."""
-    lr = _step_lr(op, params, lr, grad_scale, found_inf)
+    lr = _step_lr(params, lr, grad_scale, found_inf)
     if lr is None:
         return
     for i, param in enumerate(params):
@@ -85,9 +81,8 @@ def adam_step_(
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params,
     lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, grad_scale, found_inf,
 ):  # fmt: skip
-    check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad)
     _adam_steps(
-        "adam_step_", params, grads, state_steps, master_params, lr, grad_scale, found_inf,
+        params, grads, state_steps, master_params, lr, grad_scale, found_inf,
         lambda i: (exp_avgs[i], exp_avg_sqs[i], max_exp_avg_sqs[i] if amsgrad else None), lambda *_: None,
         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize, decoupled=decoupled,
     )  # fmt: skip
@@ -99,8 +94,7 @@ def adam_step_lowp_(
     lr, beta1, beta2, eps, weight_decay, maximize, decoupled, seed, grad_scale, found_inf,
 ):  # fmt: skip
     # adam_step_'s update on states decoded to fp32, written back in their low-precision format (fastops/_quant.py).
-    mode = check_adam_lowp_args(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, state_steps,
-                                master_params)  # fmt: skip
+    mode = "8bit" if exp_avgs and exp_avgs[0].dtype == torch.uint8 else "bf16"
 
     def decode(i):
         if mode == "8bit":
@@ -118,7 +112,7 @@ def adam_step_lowp_(
                 _quant.memory_flat(state).copy_(_quant.round_bf16_stochastic(_quant.memory_flat(new), rand))
 
     _adam_steps(
-        "adam_step_lowp_", params, grads, state_steps, master_params, lr, grad_scale, found_inf, decode, encode,
+        params, grads, state_steps, master_params, lr, grad_scale, found_inf, decode, encode,
         beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize, decoupled=decoupled,
     )  # fmt: skip
 
@@ -129,8 +123,7 @@ def sgd_step_(
     is_first_step, grad_scale, found_inf,
 ):  # fmt: skip
     # For fp32 params: the operations of torch.optim.SGD's for-loop implementation, in its order.
-    check_sgd_args(params, grads, momentum_buffers, master_params, momentum)
-    lr = _step_lr("sgd_step_", params, lr, grad_scale, found_inf)
+    lr = _step_lr(params, lr, grad_scale, found_inf)
     if lr is None:
         return
     for i, param in enumerate(params):
@@ -153,11 +146,8 @@ def sgd_step_(
 
 @torch.no_grad()
 def unscale_check_(grads, found_inf, inv_scale):
-    check_grads(grads, "unscale_check_")
     if not grads:
         return
-    check_found_inf(found_inf, "unscale_check_", grads[0].device)
-    check_scalar(inv_scale, "unscale_check_", "inv_scale", grads[0].device)
     for g in grads:
         if g.numel() and not torch.isfinite(g).all():
             found_inf.fill_(1.0)
@@ -169,10 +159,8 @@ def unscale_check_(grads, found_inf, inv_scale):
 def grad_stats(grads, inv_scale=None):
     if len(grads) == 0:
         raise RuntimeError("fastops.grad_stats: needs at least one tensor")
-    check_grads(grads, "grad_stats")
     device = grads[0].device
     if inv_scale is not None:
-        check_scalar(inv_scale, "grad_stats", "inv_scale", device)
         inv = inv_scale.to(device=device, dtype=torch.float32).reshape(())
     out = torch.zeros(3, dtype=torch.float32, device=device)
     for g in grads:

@@ -13,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fastops._checks import check_scalar
 
 TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -151,8 +150,8 @@ def device_scope(device: torch.device):
 
 def scalar_source(t: torch.Tensor, device: torch.device, op: str, what: str, on_host: bool = False):
     """Where the kernel gets a one-element tensor's value: ``(t, 0.0)`` to read it through a pointer (it is
-    on ``device``), or ``(None, value)`` when it is a CPU tensor read here (no device sync)."""
-    check_scalar(t, op, what, device)
+    on ``device``), or ``(None, value)`` when it is a CPU tensor read here (no device sync). ``op`` and ``what``
+    name the scalar for compile-check's capture (fastops/compile_check/capture.py); the op checked it already."""
     if t.device == device and not on_host:
         return t, 0.0
     return None, float(t.item())

@@ -7,7 +7,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fastops._checks import check_adam_args
 
 from . import _adam
 from ._adam import FIRST_OWN
@@ -81,7 +80,6 @@ def _adam_step(
     scalars_on_host: bool = False,
 ):  # fmt: skip
     """``scalars_on_host``: see ``_common.StepScalars``."""
-    check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad)
     _adam.launch(
         "adam_step_", _adam_kernel, params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params,
         lr, beta1, beta2, eps, weight_decay, maximize, decoupled, grad_scale, found_inf, scalars_on_host,

@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from fastops import _quant
-from fastops._checks import check_adam_lowp_args
 
 from . import _adam, _codec
 from ._adam import FIRST_OWN
@@ -95,11 +94,9 @@ def adam_step_lowp_(
     params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, state_steps, master_params,
     lr, beta1, beta2, eps, weight_decay, maximize, decoupled, seed, grad_scale, found_inf,
 ):  # fmt: skip
-    mode = check_adam_lowp_args(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax,
-                                state_steps, master_params)  # fmt: skip
     if len(params) == 0:
         return
-    eight_bit = mode == "8bit"
+    eight_bit = exp_avgs[0].dtype == torch.uint8
     _adam.launch(
         "adam_step_lowp_", _adam_lowp_kernel, params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params,
         lr, beta1, beta2, eps, weight_decay, maximize, decoupled, grad_scale, found_inf, False,

@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fastops._checks import check_found_inf, check_grads
 
 from ._common import (
     FLOAT32_MAX, TL_DTYPE, block_sizes, chunk_of, device_scope, group_by_dtype, ld, round_to, scalar_source, scalar_value,
@@ -141,11 +140,9 @@ def unscale_check_(grads, found_inf, inv_scale):
 def _unscale_check(grads, found_inf, inv_scale, scalars_on_host: bool = False):
     """``scalars_on_host`` reads inv_scale on the host even when it is on the grads' device (the path a CPU
     inv_scale takes with CUDA grads), for tests on CPU tensors."""
-    check_grads(grads, "unscale_check_")
     if len(grads) == 0:
         return
     device = grads[0].device
-    check_found_inf(found_inf, "unscale_check_", device)
     inv_t, inv_value = scalar_source(inv_scale, device, "unscale_check_", "inv_scale", scalars_on_host)
     chunk, block, num_warps = block_sizes("unscale")
     with device_scope(device):
@@ -169,7 +166,6 @@ def _grad_stats(grads, inv_scale=None, scalars_on_host: bool = False):
     """``scalars_on_host``: as in ``_unscale_check``."""
     if len(grads) == 0:
         raise RuntimeError("fastops.grad_stats: needs at least one tensor")
-    check_grads(grads, "grad_stats")
     device = grads[0].device
     inv_t, inv_value = None, 1.0
     if inv_scale is not None:

@@ -12,7 +12,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fastops._checks import check_sgd_args
 
 from ._common import (
     StepScalars, TL_DTYPE, block_sizes, chunk_of, device_scope, group_by_dtype, ld, round_to, scalar_value, st, table_ptr,
@@ -120,7 +119,6 @@ def _sgd_step(
     is_first_step, grad_scale, found_inf, scalars_on_host: bool = False,
 ):  # fmt: skip
     """``scalars_on_host``: see ``_common.StepScalars``."""
-    check_sgd_args(params, grads, momentum_buffers, master_params, momentum)
     if len(params) == 0:
         return
     device = params[0].device

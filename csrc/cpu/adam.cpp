@@ -1,4 +1,4 @@
-// fastops.adam_step_ on the CPU: checks, step counters and bias corrections on the host, then one
+// fastops.adam_step_ on the CPU: step counters and bias corrections on the host, then one
 // at::parallel_for over all elements of all tensors (kernels_isa.h does the per-element work).
 //
 // Against torch._fused_adamw_ (one parallel region per tensor) the single region over a flat index space
@@ -18,7 +18,6 @@ void adam_step_(const std::vector<at::Tensor>& params, const std::vector<at::Ten
                 const std::vector<at::Tensor>& master_params, const at::Tensor& lr, double beta1, double beta2,
                 double eps, double weight_decay, bool amsgrad, bool maximize, bool decoupled,
                 const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad);
   const size_t n = params.size();
   if (n == 0) return;
   AdamConsts c;

@@ -1,4 +1,4 @@
-// fastops.adam_step_lowp_ on the CPU: adam.cpp's host side (checks, step counters, bias corrections) over
+// fastops.adam_step_lowp_ on the CPU: adam.cpp's host side (step counters, bias corrections) over
 // states kept as 8-bit blockwise codes or stochastically rounded bf16 (fastops/_quant.py defines both bit
 // for bit); kernels_isa.h decodes, updates and re-encodes each block of 256 elements in one pass.
 #include <cmath>
@@ -76,8 +76,6 @@ void adam_step_lowp_(const std::vector<at::Tensor>& params, const std::vector<at
                      const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
                      bool decoupled, int64_t seed, const std::optional<at::Tensor>& grad_scale,
                      const std::optional<at::Tensor>& found_inf) {
-  check_adam_lowp_args(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, state_steps,
-                       master_params);
   const size_t n = params.size();
   if (n == 0) return;
   LowpConsts c{};

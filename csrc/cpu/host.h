@@ -44,19 +44,15 @@ inline GradScaling grad_scaling(const std::optional<at::Tensor>& grad_scale, boo
   return g;
 }
 
-// The host side of adam_step_ and adam_step_lowp_ before their kernels: params on the CPU, the scalar checks,
-// found_inf, and the update's constants (amsgrad left false). Returns false when the step is skipped (found_inf
-// set), with nothing written.
+// The host side of adam_step_ and adam_step_lowp_ before their kernels (the op's dispatcher kernel has checked the
+// arguments, fastops/_ops.py): params on the CPU, found_inf, and the update's constants (amsgrad left false).
+// Returns false when the step is skipped (found_inf set), with nothing written.
 inline bool adam_host_setup(const char* op, const std::vector<at::Tensor>& params, const at::Tensor& lr, double beta1,
                             double beta2, double eps, double weight_decay, bool maximize, bool decoupled,
                             const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
                             AdamConsts& c, double& lr_v) {
   TORCH_CHECK(params[0].is_cpu(), "fastops.", op, " (C++ CPU backend): params[0] is on ", params[0].device().str(),
               "; these kernels take CPU tensors");
-  const at::Device device = params[0].device();
-  check_scalar(lr, op, "lr", device);
-  if (grad_scale.has_value()) check_scalar(*grad_scale, op, "grad_scale", device);
-  if (found_inf.has_value()) check_scalar(*found_inf, op, "found_inf", device);
   if (found_inf.has_value() && read_scalar(*found_inf) != 0) return false;
   lr_v = read_scalar(lr);
   c = AdamConsts{};

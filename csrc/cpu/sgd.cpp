@@ -1,4 +1,4 @@
-// fastops.sgd_step_ on the CPU: checks and scalars on the host, then one at::parallel_for over all elements
+// fastops.sgd_step_ on the CPU: scalars on the host, then one at::parallel_for over all elements
 // of all tensors (FlatLayout; kernels_isa.h does the per-element work).
 //
 // torch._fused_sgd_ runs one parallel region per tensor; a single region over a flat index space keeps both
@@ -17,15 +17,10 @@ void sgd_step_(const std::vector<at::Tensor>& params, const std::vector<at::Tens
                const at::Tensor& lr, double weight_decay, double momentum, double dampening, bool nesterov,
                bool maximize, bool is_first_step, const std::optional<at::Tensor>& grad_scale,
                const std::optional<at::Tensor>& found_inf) {
-  check_sgd_args(params, grads, momentum_buffers, master_params, momentum);
   const size_t n = params.size();
   if (n == 0) return;
   TORCH_CHECK(params[0].is_cpu(), "fastops.sgd_step_ (C++ CPU backend): params[0] is on ", params[0].device().str(),
               "; these kernels take CPU tensors");
-  const at::Device device = params[0].device();
-  check_scalar(lr, "sgd_step_", "lr", device);
-  if (grad_scale.has_value()) check_scalar(*grad_scale, "sgd_step_", "grad_scale", device);
-  if (found_inf.has_value()) check_scalar(*found_inf, "sgd_step_", "found_inf", device);
   if (found_inf.has_value() && read_scalar(*found_inf) != 0) return;
 
   SgdConsts c{};

@@ -1,7 +1,9 @@
-// The torch side of the CUDA kernels (adam.cu, adam_lowp.cu, sgd.cu, amp.cu): argument checks, the current device and stream,
+// The torch side of the CUDA kernels (adam.cu, adam_lowp.cu, sgd.cu, amp.cu): the current device and stream,
 // the pointer tables and their cache, and the pybind11 definitions fastops._backend looks up on
-// fastops._C.cuda. Compiled only in CUDA builds (-DWITH_CUDA); the kernels themselves include no torch
-// header, so they compile (and are compile-checked by `python -m fastops compile-check`) without one.
+// fastops._C.cuda. The arguments arrive checked (the op's dispatcher kernel, fastops/_ops.py, runs each op's
+// check once); only that the tensors are on CUDA is checked again here. Compiled only in CUDA builds
+// (-DWITH_CUDA); the kernels themselves include no torch header, so they compile (and are compile-checked by
+// `python -m fastops compile-check`) without one.
 //
 // Nothing here reads a device value on the host: lr, grad_scale, found_inf and inv_scale on the tensors'
 // device are passed to the kernels as pointers, the step counters are bumped by a device op, and a table
@@ -210,15 +212,14 @@ struct ScalarArg {
   const float* ptr() const { return on_device.defined() ? on_device.const_data_ptr<float>() : nullptr; }
 };
 
-ScalarArg scalar_arg(const at::Tensor& t, const at::Device& device, const char* op, const char* what) {
-  check_scalar(t, op, what, device);
+ScalarArg scalar_arg(const at::Tensor& t, const at::Device& device) {
   ScalarArg s;
   if (t.device() == device) {
     // A device-side cast when needed (a queued op, no sync); the cast copy lives until the launch is queued,
     // and the caching allocator orders its reuse after that launch.
     s.on_device = t.scalar_type() == at::kFloat ? t : t.to(at::kFloat);
   } else {
-    s.value = t.item<double>();  // a CPU tensor (check_scalar): no device sync
+    s.value = t.item<double>();  // a CPU tensor (the op's check): no device sync
   }
   return s;
 }
@@ -230,13 +231,13 @@ struct StepScalars {
   bool skip = false;
 };
 
-StepScalars step_scalars(const char* op, const at::Device& device, const at::Tensor& lr,
+StepScalars step_scalars(const at::Device& device, const at::Tensor& lr,
                          const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   StepScalars sc;
-  sc.lr = scalar_arg(lr, device, op, "lr");
-  if (grad_scale.has_value()) sc.scale = scalar_arg(*grad_scale, device, op, "grad_scale");
+  sc.lr = scalar_arg(lr, device);
+  if (grad_scale.has_value()) sc.scale = scalar_arg(*grad_scale, device);
   if (found_inf.has_value()) {
-    sc.inf = scalar_arg(*found_inf, device, op, "found_inf");
+    sc.inf = scalar_arg(*found_inf, device);
     sc.skip = !sc.inf.on_device.defined() && sc.inf.value != 0;
   }
   return sc;
@@ -257,7 +258,7 @@ void check_on_cuda(const at::Tensor& first, const char* op) {
               "; these kernels take CUDA tensors");
 }
 
-// What adam_step_ and adam_step_lowp_ share after their own argument checks: the device checks, the step counters,
+// What adam_step_ and adam_step_lowp_ share: the device checks, the step counters,
 // the launch scalars every Adam kernel takes (into a's AdamCommonArgs; the op's own fields are set by the caller),
 // then one launch per param dtype over a table whose rows are the common columns (kernels.cuh's AdamCol), then
 // own(i) (tensor i's own columns), then numel.
@@ -278,7 +279,7 @@ void launch_adam(const char* op, int64_t tag, Args a, const TensorList& params, 
   }
   const c10::cuda::CUDAGuard guard(device);
   const LaunchContext ctx = launch_context();
-  const StepScalars sc = step_scalars(op, device, lr, grad_scale, found_inf);
+  const StepScalars sc = step_scalars(device, lr, grad_scale, found_inf);
   if (sc.skip) return;
   // The kernels skip the whole step when *found_inf != 0; the counters follow with a device op.
   if (sc.inf.on_device.defined()) {
@@ -335,7 +336,6 @@ void adam_step_(const TensorList& params, const TensorList& grads, const TensorL
                 const TensorList& master_params, const at::Tensor& lr, double beta1, double beta2, double eps,
                 double weight_decay, bool amsgrad, bool maximize, bool decoupled,
                 const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad);
   AdamArgs a{};
   a.amsgrad = amsgrad;
   launch_adam("adam_step_", kAdamTag, a, params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params, lr, beta1,
@@ -352,8 +352,6 @@ void adam_step_lowp_(const TensorList& params, const TensorList& grads, const Te
                      const TensorList& master_params, const at::Tensor& lr, double beta1, double beta2, double eps,
                      double weight_decay, bool maximize, bool decoupled, int64_t seed,
                      const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  check_adam_lowp_args(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, state_steps,
-                       master_params);
   if (params.empty()) return;
   AdamLowpArgs a{};
   a.eight_bit = exp_avgs[0].scalar_type() == at::kByte;
@@ -372,13 +370,12 @@ void sgd_step_(const TensorList& params, const TensorList& grads, const TensorLi
                const TensorList& master_params, const at::Tensor& lr, double weight_decay, double momentum,
                double dampening, bool nesterov, bool maximize, bool is_first_step,
                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
-  check_sgd_args(params, grads, momentum_buffers, master_params, momentum);
   if (params.empty()) return;
   const at::Device device = params[0].device();
   check_on_cuda(params[0], "sgd_step_");
   const c10::cuda::CUDAGuard guard(device);
   const LaunchContext ctx = launch_context();
-  const StepScalars sc = step_scalars("sgd_step_", device, lr, grad_scale, found_inf);
+  const StepScalars sc = step_scalars(device, lr, grad_scale, found_inf);
   if (sc.skip) return;
 
   SgdArgs a{};
@@ -417,14 +414,12 @@ void sgd_step_(const TensorList& params, const TensorList& grads, const TensorLi
 }
 
 void unscale_check_(const TensorList& grads, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
-  check_grads(grads, "unscale_check_");
   if (grads.empty()) return;
   const at::Device device = grads[0].device();
   check_on_cuda(grads[0], "unscale_check_");
-  check_found_inf(found_inf, "unscale_check_", device);
   const c10::cuda::CUDAGuard guard(device);
   const LaunchContext ctx = launch_context();
-  const ScalarArg inv = scalar_arg(inv_scale, device, "unscale_check_", "inv_scale");
+  const ScalarArg inv = scalar_arg(inv_scale, device);
   float* found = found_inf.mutable_data_ptr<float>();
   for (const auto& group : group_by_dtype(grads)) {
     const std::vector<int64_t> flat = grad_rows(grads, group.second);
@@ -437,7 +432,6 @@ void unscale_check_(const TensorList& grads, const at::Tensor& found_inf, const 
 
 at::Tensor grad_stats(const TensorList& grads, const std::optional<at::Tensor>& inv_scale) {
   TORCH_CHECK(!grads.empty(), "fastops.grad_stats: needs at least one tensor");
-  check_grads(grads, "grad_stats");
   const at::Device device = grads[0].device();
   check_on_cuda(grads[0], "grad_stats");
   const c10::cuda::CUDAGuard guard(device);
@@ -445,7 +439,7 @@ at::Tensor grad_stats(const TensorList& grads, const std::optional<at::Tensor>& 
   ScalarArg inv;
   inv.value = 1.0;
   if (inv_scale.has_value()) {
-    inv = scalar_arg(*inv_scale, device, "grad_stats", "inv_scale");
+    inv = scalar_arg(*inv_scale, device);
   }
   std::vector<std::pair<ScalarKind, std::shared_ptr<DeviceTable>>> groups;
   int64_t total = 0;
