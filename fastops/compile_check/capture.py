@@ -190,6 +190,11 @@ def uncovered_kernels(launches) -> list[str]:
     return missing
 
 
+def last_launches() -> list[Launch]:
+    """The launches the last run_triton compiled (what uncovered_kernels needs to see)."""
+    return [launch for launch, _ in _JOBS]
+
+
 def run_triton(ops: list[Op], archs, exhaustive: bool, jobs: int) -> list[Result]:
     global _JOBS
     _JOBS = triton_launches(ops, archs, exhaustive)

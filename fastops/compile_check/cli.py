@@ -7,8 +7,7 @@ import os
 import time
 
 from . import __doc__ as _DOC
-from . import capture as _capture
-from .capture import _interpreted, run_triton, uncovered_kernels
+from .capture import _interpreted, last_launches, run_triton, uncovered_kernels
 from .cuda import ARCHS, LIMITS, check_cuda_kernels, cuda_extension
 from .inputs import OPS
 
@@ -39,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in results if r.error]
     for r in sorted(results, key=lambda r: (r.kernel, r.spec, r.arch)):
         print(r.line())
-    missing = uncovered_kernels(launch for launch, _ in _capture._JOBS) if args.ops is None else []
+    missing = uncovered_kernels(last_launches()) if args.ops is None else []
     for name in missing:
         print(f"{name}: ERROR launched by no compile_check.OPS entry")
     print(f"compile-check: {len(results)} Triton kernel/spec/arch compiles in {triton_s:.0f} s with {args.jobs} job(s), "
