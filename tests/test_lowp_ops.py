@@ -110,7 +110,10 @@ def test_parity_hypothesis(sizes, mode, dtype, master, wd, decoupled, seed):
     got = _clone(want)
     reference.adam_step_lowp_(*want)
     cpp.adam_step_lowp_(*got)
-    _assert_step_matches(got, want, param_ulp_share=0.05)
+    # max_ulps=2: the inputs' lr makes an update as large as the param (a master at -0.082 stepped to -0.210), so
+    # the update's own 1-ulp error (the reference's MKL sqrt, see _assert_step_matches) is an ulp of the result,
+    # and the subtraction's rounding adds one more. Found by this test: 2 ulps in 1 of 723 elements.
+    _assert_step_matches(got, want, param_ulp_share=0.05, max_ulps=2)
 
 
 def test_special_values_encode_like_the_reference():
