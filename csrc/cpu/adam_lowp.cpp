@@ -85,8 +85,6 @@ void adam_step_lowp_(const std::vector<at::Tensor>& params, const std::vector<at
     return;
   }
   c.eight_bit = exp_avgs[0].scalar_type() == at::kByte;
-  c.signed_map = &quant_map(true);
-  c.unsigned_map = &quant_map(false);
 
   std::vector<LowpTensor> work(n);
   for (size_t i = 0; i < n; ++i) {

@@ -94,9 +94,7 @@ const QuantMap& quant_map(bool is_signed);
 // Scalars of one adam_step_lowp_ call: adam_step_'s (amsgrad off) and the state format.
 struct LowpConsts {
   AdamConsts adam;
-  bool eight_bit;              // uint8 codes + absmax, else bf16 with stochastic rounding
-  const QuantMap* signed_map;  // exp_avg's
-  const QuantMap* unsigned_map;  // exp_avg_sq's
+  bool eight_bit;  // uint8 codes + absmax, else bf16 with stochastic rounding (maps: quant_map())
 };
 
 // One tensor of an adam_step_lowp_ call. Ranges handed to the kernel start on a multiple of 256 elements
