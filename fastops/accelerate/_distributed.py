@@ -74,7 +74,7 @@ def _mesh(strategy: str, world_size: int, device: torch.device, tp_size: int, pp
     if strategy != "pp" and (tp_size < 2 or pp_size != 1):
         raise ValueError(f"fastops.accelerate: strategy={strategy!r} needs tp_size >= 2 (and pp_size=1), got "
                          f"tp_size={tp_size}, pp_size={pp_size}")
-    from .. import _parallel
+    from . import _parallel
 
     return _parallel.make_mesh(world_size, tp_size=tp_size, pp_size=pp_size, device_type=device.type)
 
