@@ -211,10 +211,9 @@ def test_subclass_of_a_fastops_optimizer_falls_back_to_torchs_step():
 
 
 def test_patch_reaches_classes_imported_before_it():
-    """``from torch.optim import AdamW`` and timm's optimizer table (built when timm is imported) hold torch's
-    classes from before patch(); what they build afterwards is fastops' all the same, and torch's again after
-    unpatch(). A user's subclass of torch's class stays as it is (as fuse_ leaves it)."""
-    timm_optim = pytest.importorskip("timm.optim", reason="timm needs torchvision, which the torch 2.13 CI leg lacks")
+    """``from torch.optim import AdamW`` holds torch's class from before patch(); what it builds afterwards is
+    fastops' all the same, and torch's again after unpatch(). A user's subclass of torch's class stays as it is (as
+    fuse_ leaves it)."""
     from torch.amp import GradScaler
     from torch.optim import SGD, Adam, AdamW
 
@@ -228,14 +227,23 @@ def test_patch_reaches_classes_imported_before_it():
             for torch_cls, fastops_cls in made.items():
                 assert type(torch_cls(model.parameters(), lr=0.1)) is fastops_cls
             assert type(GradScaler("cpu", init_scale=4.0)) is fastops.amp.GradScaler
-            assert type(timm_optim.create_optimizer_v2(model, "adamw", lr=1e-3)) is fastops.optim.AdamW
-            assert type(timm_optim.create_optimizer_v2(model, "sgd", lr=1e-3, momentum=0.9)) is fastops.optim.SGD
             assert type(Mine(model.parameters())) is Mine
         for torch_cls in made:
             assert type(torch_cls(model.parameters(), lr=0.1)) is torch_cls
         scaler = GradScaler("cpu", init_scale=4.0)
         assert type(scaler) is GradScaler and scaler.get_scale() == 4.0
     assert type(fastops.optim.AdamW(model.parameters(), lr=0.1)) is fastops.optim.AdamW
+
+
+def test_patch_reaches_timms_optimizer_table():
+    """timm's optimizer table is built when timm is imported, with torch's classes; under patch() what
+    create_optimizer_v2 builds is fastops' all the same, and torch's after unpatch()."""
+    timm_optim = pytest.importorskip("timm.optim", reason="timm needs torchvision, which the torch 2.13 CI leg lacks")
+    model = torch.nn.Linear(3, 2)
+    with fastops.patched():
+        assert type(timm_optim.create_optimizer_v2(model, "adamw", lr=1e-3)) is fastops.optim.AdamW
+        assert type(timm_optim.create_optimizer_v2(model, "sgd", lr=1e-3, momentum=0.9)) is fastops.optim.SGD
+    assert type(timm_optim.create_optimizer_v2(model, "adamw", lr=1e-3)) is torch.optim.AdamW
 
 
 def test_patch_names_the_function_references_it_cannot_reach(monkeypatch):
