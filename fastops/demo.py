@@ -1,12 +1,17 @@
 """The demo behind ``python -m fastops demo``: a small GPT-style language model in plain PyTorch, trained on
 synthetic text twice with the same seed and batches, first with plain PyTorch (fp32, torch.optim.AdamW
 defaults) and then after the one line ``fastops.accelerate(model, optimizer, loader)``. The training loop is
-the same function both times. It prints ms/step, tokens/s, final loss and the speed-up. No downloads."""
+the same function both times. It prints ms/step, tokens/s, final loss and the speed-up, and with ``--out PATH``
+writes them as the benchmarks do (PATH.json with the machine, command and load, PATH.csv). No downloads."""
 
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import math
+import os
+import platform
 import statistics
 import time
 
@@ -81,8 +86,11 @@ def train_loop(model, optimizer, loader, device, label: str, tokens_per_step: in
         start = now
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     warmup = min(3, len(times) - 1)  # the first steps warm up kernels; --steps >= 1 leaves one to time
-    ms = 1e3 * statistics.median(times[warmup:])
-    return {"label": label, "ms": ms, "tok_s": tokens_per_step / (ms / 1e3), "loss": losses[-1], "warmup": warmup}
+    timed = [1e3 * t for t in times[warmup:]]
+    ms = statistics.median(timed)
+    q = statistics.quantiles(timed, n=5, method="inclusive") if len(timed) > 1 else [ms] * 4
+    return {"label": label, "ms": ms, "ms_q20": q[0], "ms_q80": q[3], "samples": len(timed),
+            "tok_s": tokens_per_step / (ms / 1e3), "loss": losses[-1], "losses": losses, "warmup": warmup}
 
 
 HEADS = 4
@@ -137,11 +145,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=_positive_int, default=8192)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, metavar="PATH",
+                   help="also write the results to PATH.json and PATH.csv, as the benchmarks do")  # fmt: skip
+
+
+def _hardware(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name} x{torch.get_num_threads()} threads"
+
+
+def write_results(path: str, args: argparse.Namespace, rows: list[dict], load_before: tuple, seconds: float) -> None:
+    """PATH.json ({"meta", "rows"}, the benchmarks' schema: benchmarks/common.py) and PATH.csv."""
+    hardware = _hardware(args.device)
+    size = f"TinyGPT d{args.dim} l{args.layers} v{args.vocab} b{args.batch}x{args.seq}"
+    out = []
+    for r in rows:
+        out.append({"bench": "demo", "provider": r["label"], "size": size, "size_unit": "config",
+                    "ms": round(r["ms"], 4), "ms_q20": round(r["ms_q20"], 4), "ms_q80": round(r["ms_q80"], 4),
+                    "samples": r["samples"], "device": args.device, "hardware": hardware,
+                    "speedup_vs_plain": round(rows[0]["ms"] / r["ms"], 3), "tokens_per_s": round(r["tok_s"], 1),
+                    "first_loss": round(r["losses"][0], 6), "loss": round(r["loss"], 6)})  # fmt: skip
+    options = {k: v for k, v in vars(args).items() if k not in ("cmd", "out")}
+    command = "python -m fastops demo " + " ".join(f"--{k} {v}" for k, v in options.items())
+    meta = {"command": command, "hardware": hardware,
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(), "seconds": round(seconds, 1),
+            "final_loss_rel_diff": round(abs(rows[1]["loss"] - rows[0]["loss"]) / abs(rows[0]["loss"]), 6),
+            "losses": {r["label"]: r["losses"] for r in rows}}  # fmt: skip
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": out}, f, indent=1)
+    with open(path + ".csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(out[0]))
+        writer.writeheader()
+        writer.writerows(out)
+    print(f"wrote {path}.json and {path}.csv")
 
 
 def run(args: argparse.Namespace) -> int:
     from fastops.accelerate import accelerate
 
+    load_before, start = os.getloadavg(), time.perf_counter()
     batches = synthetic_batches(args.steps, args.batch, args.seq, args.vocab, args.seed)
     tokens = args.batch * args.seq
 
@@ -168,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nfastops run: fastops.accelerate(model, optimizer, loader) -> precision {acc.precision}, "
           f"strategy {acc.strategy}, fused {type(optimizer).__name__}, batches prefetched; ms/step is the median "
           f"after {rows[-1]['warmup']} warm-up step(s)")  # fmt: skip
+    if args.out is not None:
+        write_results(args.out, args, rows, load_before, time.perf_counter() - start)
     if not all(math.isfinite(r["loss"]) for r in rows):
         print("a run diverged")
         return 1
