@@ -1,4 +1,4 @@
-"""2-rank runs of fastops.accelerate for tests/test_accelerate.py: ``tests/dist_worker.py STRATEGY OUT``, once
+"""2-rank runs of fastops.accelerate for tests/test_accelerate_dist.py: ``tests/dist_worker.py STRATEGY OUT``, once
 per rank, with the environment torchrun would set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
 Each scenario trains a tiny model on a map-style DataLoader with the loop unchanged; rank 0 saves the

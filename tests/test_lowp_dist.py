@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from tests.test_accelerate import ROOT, _free_port, _start_group, _wait_group
+from tests.accelerate_helpers import ROOT, _free_port, _start_group, _wait_group
 from tests import lowp_worker as W
 from tests.rounding import assert_as_accurate, assert_orders_agree
 

@@ -18,7 +18,7 @@ from fastops.accelerate import _dcp as dcp
 from fastops.accelerate import _parallel as par
 from tests import mp_worker as w
 from tests.rounding import assert_as_accurate, assert_orders_agree
-from tests.test_accelerate import ROOT, _free_port, _start_group, _wait_group
+from tests.accelerate_helpers import ROOT, _free_port, _start_group, _wait_group
 
 ACC = ["acc_tp", "acc_fsdptp", "acc_pp"]  # through fastops.accelerate
 CASES_4 = ["fsdptp_llama", "tp_llama", "tp_net", "fsdptp_net", "bf16_llama", "pp_gpipe", "pp_1f1b", *ACC]
