@@ -3,6 +3,7 @@ worker thread running (``no_leaked_workers``, autouse: import it into each test 
 
 from __future__ import annotations
 
+import collections
 import gc
 import threading
 import time
@@ -10,6 +11,8 @@ import time
 import pytest
 import torch
 
+
+Pair = collections.namedtuple("Pair", "image label")  # a namedtuple leaf of a batch
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

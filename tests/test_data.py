@@ -22,7 +22,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 
 from fastops.data import Prefetcher
 # no_leaked_workers: an autouse fixture, active in this module once imported
-from tests.data_helpers import no_leaked_workers, _prefetch_threads, _wait_no_workers, _batches  # noqa: F401
+from tests.data_helpers import Pair, no_leaked_workers, _prefetch_threads, _wait_no_workers, _batches  # noqa: F401
 
 
 # ---- order, structure ----
@@ -41,7 +41,6 @@ def test_generator_source():
     assert out == list(range(10))
 
 
-Pair = collections.namedtuple("Pair", "image label")
 
 
 @dataclasses.dataclass

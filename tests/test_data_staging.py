@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fastops.data import Prefetcher, _PinnedPool, _Stager
 # no_leaked_workers: an autouse fixture, active in this module once imported
-from tests.data_helpers import _batches, _prefetch_threads, _wait_no_workers, needs_cuda, no_leaked_workers  # noqa: F401
+from tests.data_helpers import (  # noqa: F401
+    Pair, _batches, _prefetch_threads, _wait_no_workers, needs_cuda, no_leaked_workers)
 
 
 # ---- loading on the calling thread, attributes ----
