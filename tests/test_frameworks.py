@@ -160,7 +160,8 @@ def _lightning_run(patched: bool, precision: str, clip: float):
     with _patched(patched):
         kw = dict(precision=precision)
         if precision == "16-mixed":  # Lightning's GPU fp16 path, on the CPU (see the module docstring)
-            kw = dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=INIT_SCALE))])
+            scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+            kw = dict(plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, gradient_clip_val=clip, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                              callbacks=[Counter()], **kw)  # fmt: skip
