@@ -56,11 +56,14 @@ def dataset(n=2048, seq=32, vocab=256, classes=4):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp", "tp", "fsdp+tp", "pp", "none"])
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--ckpt", default=None, help="checkpoint path (default: one in the temp directory)")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = classifier()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loader = DataLoader(dataset(), batch_size=64, shuffle=True)
+    loader = DataLoader(dataset(args.samples), batch_size=64, shuffle=True)
     parallel = {"tp": dict(tp_size=2, tp_plan=TP_PLAN), "fsdp+tp": dict(tp_size=2, tp_plan=TP_PLAN),
                 "pp": dict(pp_size=2, n_microbatches=4)}.get(args.strategy, {})  # fmt: skip
 
@@ -68,7 +71,7 @@ def main():
                                           **parallel)  # the one line  # fmt: skip
 
     acc = optimizer.accelerator
-    for epoch in range(3):
+    for epoch in range(args.epochs):
         for tokens, labels in loader:
             if args.strategy == "pp":
                 loss = acc.train_step((tokens, labels), F.cross_entropy)
@@ -80,7 +83,7 @@ def main():
         if acc.is_main:
             print(f"epoch {epoch}: loss {loss.item():.4f} ({acc.world_size} process(es), {acc.strategy}, {acc.precision})")
 
-    path = os.path.join(tempfile.gettempdir(), f"fastops_one_line_{args.strategy}.pt")
+    path = args.ckpt or os.path.join(tempfile.gettempdir(), f"fastops_one_line_{args.strategy}.pt")
     acc.save(path)  # every rank calls it; under tp, fsdp+tp and pp a directory of shards, no rank gathers the model
     acc.load(path)  # each rank reads the file and gets its own RNG state back
     if acc.is_main:
