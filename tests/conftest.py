@@ -12,7 +12,8 @@ import pytest  # noqa: E402
 from fastops import _backend  # noqa: E402
 # The claims ledger's hooks (tests/claims.py): what ran on which device, the cuda mark on every GPU case.
 from tests.claims import (  # noqa: E402,F401
-    pytest_collection_modifyitems, pytest_configure, pytest_deselected, pytest_runtest_logreport)
+    pytest_collection_modifyitems, pytest_configure, pytest_deselected, pytest_make_collect_report,
+    pytest_runtest_logreport)
 
 CPU_BACKENDS = ("cpp", "triton", "reference")
 
