@@ -172,7 +172,18 @@ class Accelerator:
             for i, (kind, obj) in enumerate(zip(kinds, objects)):
                 if kind == wanted:
                     out[i] = _PREPARE[kind](self, obj)
+                    self._keep(kind, out[i])
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _keep(self, kind: str, prepared) -> None:
+        """The prepare helpers return what they make and the Accelerator keeps it here (the model's helper, which
+        also records what FSDP2 and pipelines need, sets ``model`` itself)."""
+        if kind == "optimizer":
+            self.optimizer = prepared
+        elif kind == "scheduler":
+            self.schedulers.append(prepared)
+        elif kind == "loader":
+            self.loaders.append(prepared)
 
     @staticmethod
     def _kind(obj) -> str:

@@ -96,9 +96,7 @@ def prepare_loader(acc: "Accelerator", loader) -> Loader:
             loader = _shard_dataloader(loader, acc.dp_rank, acc.dp_size)
         else:
             loader = RoundRobin(loader, acc.dp_rank, acc.dp_size)
-    wrapped = Loader(Prefetcher(loader, device=acc.device, background=background))
-    acc.loaders.append(wrapped)
-    return wrapped
+    return Loader(Prefetcher(loader, device=acc.device, background=background))
 
 
 def _shard_dataloader(loader, rank: int, world_size: int):

@@ -64,7 +64,6 @@ def prepare_optimizer(acc: "Accelerator", opt: torch.optim.Optimizer) -> torch.o
     opt.step = types.MethodType(_step, opt)
     opt.zero_grad = types.MethodType(_zero_grad, opt)
     opt.accelerator = acc
-    acc.optimizer = opt
     return opt
 
 
@@ -112,9 +111,7 @@ def prepare_scheduler(acc: "Accelerator", scheduler) -> Scheduler:
         raise ValueError("fastops.Accelerator.prepare: prepare the optimizer before (or with) the scheduler")
     if scheduler.optimizer is not acc.optimizer:
         raise ValueError("fastops.Accelerator.prepare: the scheduler drives an optimizer that was not prepared here")
-    wrapped = Scheduler(scheduler, acc.optimizer, acc)
-    acc.schedulers.append(wrapped)
-    return wrapped
+    return Scheduler(scheduler, acc.optimizer, acc)
 
 
 def _clip(acc: "Accelerator", opt: torch.optim.Optimizer) -> torch.Tensor:
