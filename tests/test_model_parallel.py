@@ -6,6 +6,7 @@ pipelining over gloo can hang (pytorch#132644)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -21,8 +22,14 @@ from tests.rounding import assert_as_accurate, assert_orders_agree
 from tests.accelerate_helpers import ROOT, _free_port, _start_group, _wait_group
 
 ACC = ["acc_tp", "acc_fsdptp", "acc_pp"]  # through fastops.accelerate
-CASES_4 = ["fsdptp_llama", "tp_llama", "tp_net", "fsdptp_net", "bf16_llama", "pp_gpipe", "pp_1f1b", *ACC]
-CASES_2 = ["load_tp", "tp_llama", "tp_net", "fsdptp_net", "pp_gpipe", "pp_1f1b", *ACC]
+# The HF Llama cases need transformers, which the torch 2.13 CI leg lacks: there the net and pipeline cases run.
+HAS_HF = importlib.util.find_spec("transformers") is not None
+needs_hf = pytest.mark.skipif(not HAS_HF, reason="could not import 'transformers' (HF Llama)")
+LLAMA = {"fsdptp_llama", "tp_llama", "bf16_llama", "load_tp"}
+CASES_4 = [c for c in ["fsdptp_llama", "tp_llama", "tp_net", "fsdptp_net", "bf16_llama", "pp_gpipe", "pp_1f1b", *ACC]
+           if HAS_HF or c not in LLAMA]  # fmt: skip
+CASES_2 = [c for c in ["load_tp", "tp_llama", "tp_net", "fsdptp_net", "pp_gpipe", "pp_1f1b", *ACC]
+           if HAS_HF or c not in LLAMA]  # fmt: skip
 KIND = {"llama": "llama", "net": "net", "gpipe": "seq", "1f1b": "seq"}
 
 
@@ -53,7 +60,8 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def refs():
     """kind -> (fp32 losses, fp32 clip norms, float64 losses, float64 clip norms), one process."""
-    return {kind: (*w.reference(kind), *w.reference(kind, dtype=torch.float64)) for kind in ("llama", "net", "seq")}
+    kinds = ("llama", "net", "seq") if HAS_HF else ("net", "seq")
+    return {kind: (*w.reference(kind), *w.reference(kind, dtype=torch.float64)) for kind in kinds}
 
 
 def _assert_matches_one_process(got, ref, what):
@@ -67,16 +75,19 @@ def _assert_matches_one_process(got, ref, what):
 
 
 @pytest.mark.parametrize("world", [4, 2])
-@pytest.mark.parametrize("case", ["tp_llama", "tp_net", "fsdptp_net", "pp_gpipe", "pp_1f1b"])
+@pytest.mark.parametrize("case", [pytest.param("tp_llama", marks=needs_hf), "tp_net", "fsdptp_net", "pp_gpipe",
+                                  "pp_1f1b"])  # fmt: skip
 def test_fp32_losses_and_clip_norm_match_one_process(runs, refs, world, case):
     assert len(runs[world][case]["losses"]) == w.STEPS
     _assert_matches_one_process(runs[world][case], refs[KIND[case.split("_")[1]]], f"{case} at {world} ranks")
 
 
+@needs_hf
 def test_fsdp_tp_llama_at_4_ranks_matches_one_process(runs, refs):
     _assert_matches_one_process(runs[4]["fsdptp_llama"], refs["llama"], "fsdptp_llama at 4 ranks")
 
 
+@needs_hf
 def test_bf16_autocast_under_fsdp_tp_trains(runs, refs):
     got = runs[4]["bf16_llama"]["losses"]
     assert all(torch.isfinite(torch.tensor(got)))
@@ -89,6 +100,7 @@ def test_pipeline_refuses_the_plain_loop(runs):
             assert "train_step((x, y), loss_fn)" in runs[world][case]["plain_loop_error"]
 
 
+@needs_hf
 def test_checkpoint_saved_at_4_ranks_continues_at_2_ranks_and_in_one_process(runs, refs):
     saved_run = runs[4]["fsdptp_llama"]["losses"][w.SAVE_AT:]
     losses32, _, losses64, _ = refs["llama"]
@@ -189,6 +201,7 @@ def test_model_without_a_plan_says_what_to_pass():
         par.resolve_tp_plan(w.Net(), {"blocks.*.fc1": "columnwise"})
 
 
+@needs_hf
 def test_hf_plan_is_the_models_own():
     plan = par.resolve_tp_plan(w.llama())
     assert "model.layers.*.self_attn.q_proj" in plan and "lm_head" in plan
