@@ -78,7 +78,11 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(const AdamArgs a) {
 
 }  // namespace
 
-FASTOPS_DEFINE_ADAM_LAUNCHER(adam_step, AdamArgs, adam_kernel, amsgrad, has_master)
+cudaError_t adam_step(ScalarKind kind, const AdamArgs& a, int max_blocks, cudaStream_t stream) {
+  return detail::launch_adam(kind, a, a.amsgrad, a.has_master, max_blocks, stream, [](auto t, auto ams, auto master) {
+    return adam_kernel<typename decltype(t)::type, decltype(ams)::value, decltype(master)::value>;
+  });
+}
 
 }  // namespace cuda
 }  // namespace fastops
