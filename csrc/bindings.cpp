@@ -1,5 +1,6 @@
 // The one Python module, fastops._C: `cpp` (C++ CPU kernels), `checks` (the ops' argument checks alone), `cuda`
-// (CUDA builds only), WITH_CUDA and cpu_capability(). fastops._backend looks the ops up by name on the submodules;
+// (CUDA builds only), `cuda_math` (the CUDA kernels' math on CPU tensors, for the tests), WITH_CUDA and
+// cpu_capability(). fastops._backend looks the ops up by name on the submodules;
 // each op there takes its arguments by name and runs its check and its kernel in one call
 // (csrc/generated/op_bindings.h).
 #include <torch/extension.h>
@@ -18,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   fastops::def_unscale_check_(cpp, fastops::cpu::unscale_check_);
   fastops::def_grad_stats(cpp, fastops::cpu::grad_stats);
   fastops::def_checks(m.def_submodule("checks", "each op's argument check alone (csrc/cpu/checks.cpp)"));
+  fastops::cuda::register_cuda_math(m.def_submodule("cuda_math", "the CUDA kernels' math on CPU tensors (tests)"));
 
   // The 8-bit maps' fp32 constants as the kernels hold them, for the test that they are fastops/_quant.py's.
   cpp.def("quant_constants", [](bool is_signed) {

@@ -51,6 +51,8 @@ void cpu_cache_empty();
 namespace cuda {
 // Defined in csrc/cuda/binding.cpp; compiled and called only when built with -DWITH_CUDA.
 void register_bindings(pybind11::module_ m);
+// The CUDA kernels' math run on CPU tensors (csrc/cuda_math.cpp), in every build.
+void register_cuda_math(pybind11::module_ m);
 }  // namespace cuda
 
 }  // namespace fastops

@@ -29,7 +29,7 @@ try:
 except Exception as e:  # noqa: BLE001 - any load failure (missing file, ABI, symbol) means "no _C"
     _C_ERROR = f"{type(e).__name__}: {e}"
 # What fastops calls on it: an extension built from older sources lacks some (a checkout updated, not rebuilt).
-_C_SUBMODULES = ("cpp", "checks")
+_C_SUBMODULES = ("cpp", "checks", "cuda_math")
 
 
 def _stale(module: ModuleType) -> str | None:
