@@ -2,6 +2,7 @@
 // memory with a non-blocking copy, kept in a small LRU; a table a CUDA graph captured is never freed.
 #include "cuda/tables.h"
 
+#include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 
 #include <algorithm>
