@@ -7,12 +7,11 @@ compile-check take on CPU tensors (``_common.StepScalars``). On CUDA tensors the
 under ``TRITON_INTERPRET=1`` (set before triton is imported), which is how they are tested without a GPU.
 """
 
-from ._common import SCALARS, TABLES
+from ._common import TABLES
 from .adam import adam_step_
 from .adam_lowp import adam_step_lowp_
 from .amp import grad_stats, unscale_check_
 from .linear_ce import linear_ce_pass
 from .sgd import sgd_step_
 
-__all__ = ["adam_step_", "adam_step_lowp_", "sgd_step_", "unscale_check_", "grad_stats", "linear_ce_pass", "SCALARS",
-           "TABLES"]
+__all__ = ["adam_step_", "adam_step_lowp_", "sgd_step_", "unscale_check_", "grad_stats", "linear_ce_pass", "TABLES"]

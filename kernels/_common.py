@@ -148,10 +148,6 @@ def device_scope(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-# The scalar arguments a launcher can be told to read on the host (``host_scalars``).
-SCALARS = ("lr", "grad_scale", "found_inf", "inv_scale")
-
-
 def scalar_source(t: torch.Tensor, device: torch.device, on_host: bool = False):
     """Where the kernel gets a one-element tensor's value: ``(t, 0.0)`` to read it through a pointer (it is on
     ``device``), or ``(None, value)`` when it is a CPU tensor read here (no device sync), or ``on_host``. The op

@@ -27,6 +27,7 @@ CUDA_PAIRS = [p for p in PAIRS if p.values[0] == "cuda"]
 # The pairs whose kernels never read a device value on the host (the reference does: it is the fallback).
 COMPILED_CUDA_PAIRS = [p for p in CUDA_PAIRS if p.values[1] != "reference"]
 
+# The scalar arguments a Triton launcher can be told to read on the host (its host_scalars option).
 SCALARS = ("lr", "grad_scale", "found_inf", "inv_scale")
 
 
