@@ -44,11 +44,14 @@ def test_recorded_launch_follows_the_options():
     k = launch.kwargs
     assert (k["LR_PTR"], k["SCALE"], k["FOUND_INF"], k["WD"], k["AMSGRAD"], k["MASTER"], k["LERP_SMALL"]) == (
         False, 1, False, 2, True, True, True)  # fmt: skip
-    (launch,) = cc.capture(OP["adam_step_"], {**base, "lr": torch.float32, "grad_scale": torch.float32, "aligned": False})
+    (launch,) = cc.capture(OP["adam_step_"], {**base, "lr": torch.float32, "grad_scale": torch.float32,
+                                               "aligned": False})  # fmt: skip
     assert (launch.kwargs["LR_PTR"], launch.kwargs["SCALE"], launch.kwargs["ALIGNED"]) == (True, 2, False)
-    stats = cc.capture(OP["grad_stats"], {"dtype": torch.float32, "aligned": True, "inv_scale": None, "chunks": 16, "mixed": True})
+    stats = cc.capture(OP["grad_stats"], {"dtype": torch.float32, "aligned": True, "inv_scale": None, "chunks": 16,
+                                          "mixed": True})  # fmt: skip
     assert [lc.fn.__name__ for lc in stats] == ["_grad_stats_kernel"] * 2 + ["_grad_stats_reduce_kernel"]
-    assert stats[-1].args[2] == 17  # partials of both launches: 16 chunks and 1
+    reduce = dict(zip(stats[-1].fn.arg_names, stats[-1].args))
+    assert reduce["n"] == 17  # partials of both launches: 16 chunks and 1
     uncovered = cc.uncovered_kernels(stats)
     assert {"fastops.kernels.adam._adam_kernel", "fastops.kernels.amp._unscale_check_kernel"} <= set(uncovered)
     assert not any("grad_stats" in name for name in uncovered)

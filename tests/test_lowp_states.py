@@ -12,6 +12,7 @@ import torch
 
 import fastops
 from fastops import _backend, _quant, optim
+from fastops._specs import SPECS
 
 FORMATS = ("bf16", "8bit")
 STEPS = 100
@@ -183,7 +184,7 @@ def test_sr_seed_changes_every_step_and_every_call(monkeypatch):
     real = fastops.optim._ops.adam_step_lowp_
 
     def spy(*args):
-        seeds.append(args[15])
+        seeds.append(SPECS["adam_step_lowp_"].Args(*args).seed)
         return real(*args)
 
     monkeypatch.setattr(fastops.optim._ops, "adam_step_lowp_", spy)
