@@ -1,32 +1,25 @@
-// The one Python module, fastops._C: `cpp` (C++ CPU kernels), `cuda` (CUDA builds only), WITH_CUDA and
-// cpu_capability(). fastops._backend looks the ops up by name on the submodules.
+// The one Python module, fastops._C: `cpp` (C++ CPU kernels), `checks` (the ops' argument checks alone), `cuda`
+// (CUDA builds only), `cuda_math` (the CUDA kernels' math on CPU tensors, for the tests), WITH_CUDA and
+// cpu_capability(). fastops._backend looks the ops up by name on the submodules;
+// each op there takes its arguments by name and runs its check and its kernel in one call
+// (csrc/generated/op_bindings.h).
 #include <torch/extension.h>
 
 #include "cpu/kernels.h"
 #include "fastops.h"
+#include "generated/op_bindings.h"
 
 namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module_ cpp = m.def_submodule("cpp", "C++ CPU kernels (csrc/cpu)");
-  cpp.def("adam_step_", &fastops::cpu::adam_step_, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
-          py::arg("exp_avg_sqs"), py::arg("max_exp_avg_sqs"), py::arg("state_steps"), py::arg("master_params"),
-          py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-          py::arg("amsgrad"), py::arg("maximize"), py::arg("decoupled"), py::arg("grad_scale"),
-          py::arg("found_inf"), py::call_guard<py::gil_scoped_release>());
-  cpp.def("adam_step_lowp_", &fastops::cpu::adam_step_lowp_, py::arg("params"), py::arg("grads"),
-          py::arg("exp_avgs"), py::arg("exp_avg_sqs"), py::arg("exp_avg_absmax"), py::arg("exp_avg_sq_absmax"),
-          py::arg("state_steps"), py::arg("master_params"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
-          py::arg("eps"), py::arg("weight_decay"), py::arg("maximize"), py::arg("decoupled"), py::arg("seed"),
-          py::arg("grad_scale"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>());
-  cpp.def("sgd_step_", &fastops::cpu::sgd_step_, py::arg("params"), py::arg("grads"), py::arg("momentum_buffers"),
-          py::arg("master_params"), py::arg("lr"), py::arg("weight_decay"), py::arg("momentum"),
-          py::arg("dampening"), py::arg("nesterov"), py::arg("maximize"), py::arg("is_first_step"),
-          py::arg("grad_scale"), py::arg("found_inf"), py::call_guard<py::gil_scoped_release>());
-  cpp.def("unscale_check_", &fastops::cpu::unscale_check_, py::arg("grads"), py::arg("found_inf"),
-          py::arg("inv_scale"), py::call_guard<py::gil_scoped_release>());
-  cpp.def("grad_stats", &fastops::cpu::grad_stats, py::arg("grads"), py::arg("inv_scale") = py::none(),
-          py::call_guard<py::gil_scoped_release>());
+  fastops::def_adam_step_(cpp, fastops::cpu::adam_step_);
+  fastops::def_adam_step_lowp_(cpp, fastops::cpu::adam_step_lowp_);
+  fastops::def_sgd_step_(cpp, fastops::cpu::sgd_step_);
+  fastops::def_unscale_check_(cpp, fastops::cpu::unscale_check_);
+  fastops::def_grad_stats(cpp, fastops::cpu::grad_stats);
+  fastops::def_checks(m.def_submodule("checks", "each op's argument check alone (csrc/cpu/checks.cpp)"));
+  fastops::cuda::register_cuda_math(m.def_submodule("cuda_math", "the CUDA kernels' math on CPU tensors (tests)"));
 
   // The 8-bit maps' fp32 constants as the kernels hold them, for the test that they are fastops/_quant.py's.
   cpp.def("quant_constants", [](bool is_signed) {

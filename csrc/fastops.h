@@ -7,59 +7,27 @@
 #include <ATen/core/Tensor.h>
 #include <pybind11/pybind11.h>
 
+#include "generated/op_args.h"
+#include "state_format.h"
+
 namespace fastops {
 
-// The argument checks of fastops/_checks.py, with the same conditions, order and messages, so that a bad
-// call fails the same way on every backend. Device-agnostic (csrc/cpu/checks.cpp). fastops/_ops.py runs them
-// once per op call, before any backend (as torch.ops.fastops_checks.*, registered in checks.cpp); the backends do not
-// call them again and check only what guards memory (the device of the tensors they write).
-void check_adam_args(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                     const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                     const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& state_steps,
-                     const std::vector<at::Tensor>& master_params, bool amsgrad);
-void check_adam_lowp_args(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                          const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                          const std::vector<at::Tensor>& exp_avg_absmax, const std::vector<at::Tensor>& exp_avg_sq_absmax,
-                          const std::vector<at::Tensor>& state_steps, const std::vector<at::Tensor>& master_params);
-void check_sgd_args(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                    const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& master_params,
-                    double momentum);
-// op is the name used in the messages, e.g. "unscale_check_" -> "fastops.unscale_check_: ...".
-void check_grads(const std::vector<at::Tensor>& grads, const char* op);
-// A one-element floating tensor on `device` or the CPU (kernels read it through a pointer or on the host).
-void check_scalar(const at::Tensor& t, const char* op, const char* what, const at::Device& device);
-// One float32 element on `device`: the kernels write 1.0 into it.
-void check_found_inf(const at::Tensor& found_inf, const char* op, const at::Device& device);
+// The format of an op's states from the dtype of its exp_avgs (fastops/_quant.py's StateFormat.of): nullopt for a
+// dtype no format stores; a call without tensors counts as 8-bit (its absmax lists are then as empty as bf16's).
+std::optional<StateFormat> state_format(const TensorList& exp_avgs);
 
 namespace cpu {
 
-// The ops, with the positional signatures of fastops/reference.py (semantics: fastops/_ops.py).
-void adam_step_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& state_steps,
-                const std::vector<at::Tensor>& master_params, const at::Tensor& lr, double beta1, double beta2,
-                double eps, double weight_decay, bool amsgrad, bool maximize, bool decoupled,
-                const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf);
+// The ops (semantics: fastops/_ops.py). Each runs after the op's check(args) (the generated binding calls both), so
+// they assume valid arguments.
+void adam_step_(const AdamStepArgs& a);
+void adam_step_lowp_(const AdamStepLowpArgs& a);
+void sgd_step_(const SgdStepArgs& a);
+void unscale_check_(const UnscaleCheckArgs& a);
+at::Tensor grad_stats(const GradStatsArgs& a);
 
-void adam_step_lowp_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                     const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                     const std::vector<at::Tensor>& exp_avg_absmax, const std::vector<at::Tensor>& exp_avg_sq_absmax,
-                     const std::vector<at::Tensor>& state_steps, const std::vector<at::Tensor>& master_params,
-                     const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
-                     bool decoupled, int64_t seed, const std::optional<at::Tensor>& grad_scale,
-                     const std::optional<at::Tensor>& found_inf);
 // _quant.sr_key(seed, index): the 32-bit stochastic-rounding key of the tensor at `index` of a call.
 uint32_t sr_key(int64_t seed, int64_t index);
-
-void sgd_step_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-               const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& master_params,
-               const at::Tensor& lr, double weight_decay, double momentum, double dampening, bool nesterov,
-               bool maximize, bool is_first_step, const std::optional<at::Tensor>& grad_scale,
-               const std::optional<at::Tensor>& found_inf);
-
-void unscale_check_(const std::vector<at::Tensor>& grads, const at::Tensor& found_inf, const at::Tensor& inv_scale);
-
-at::Tensor grad_stats(const std::vector<at::Tensor>& grads, const std::optional<at::Tensor>& inv_scale);
 
 // "avx512", "avx2" or "default": the kernel set picked at load time for this CPU.
 const char* capability();
@@ -83,6 +51,8 @@ void cpu_cache_empty();
 namespace cuda {
 // Defined in csrc/cuda/binding.cpp; compiled and called only when built with -DWITH_CUDA.
 void register_bindings(pybind11::module_ m);
+// The CUDA kernels' math run on CPU tensors (csrc/cuda_math.cpp), in every build.
+void register_cuda_math(pybind11::module_ m);
 }  // namespace cuda
 
 }  // namespace fastops

@@ -13,7 +13,7 @@ import importlib
 import os
 import warnings
 from types import ModuleType
-from typing import Callable, Iterator
+from typing import Iterator
 
 DEVICE_TYPES = ("cpu", "cuda")
 BACKENDS = ("cpp", "triton", "cuda", "reference")
@@ -28,6 +28,20 @@ try:
     _C = importlib.import_module("fastops._C")
 except Exception as e:  # noqa: BLE001 - any load failure (missing file, ABI, symbol) means "no _C"
     _C_ERROR = f"{type(e).__name__}: {e}"
+# What fastops calls on it: an extension built from older sources lacks some (a checkout updated, not rebuilt).
+_C_SUBMODULES = ("cpp", "checks", "cuda_math")
+
+
+def _stale(module: ModuleType) -> str | None:
+    """Why ``module`` (fastops._C) cannot serve, or None."""
+    missing = [name for name in _C_SUBMODULES if not hasattr(module, name)]
+    if missing:
+        return f"{getattr(module, '__file__', module)} was built from older sources (it has no {missing}); rebuild it"
+    return None
+
+
+if _C is not None and _stale(_C):
+    _C, _C_ERROR = None, _stale(_C)
 
 _chosen: dict[str, tuple[str, ModuleType]] = {}
 _warned: set[str] = set()
@@ -143,12 +157,13 @@ def active(device_type: str) -> str:
     return _chosen[device_type][0]
 
 
-def impl(device_type: str, op: str) -> Callable:
+def chosen(device_type: str) -> tuple[str, ModuleType]:
+    """(name, module) of the backend serving ``device_type``: its ops are the module's functions of the ops' names."""
     entry = _chosen.get(device_type)
     if entry is None:
         active(device_type)
         entry = _chosen[device_type]
-    return getattr(entry[1], op)
+    return entry
 
 
 @contextlib.contextmanager

@@ -1,17 +1,24 @@
-"""The conditions and messages of the ops' argument checks. Each op's spec (fastops/_specs) runs them once, at the
-op boundary (its fake kernel and its dispatcher kernel), so a bad call fails with the same message on every
-backend. The ``*_ok`` functions test a whole list at once and say only whether it passes: the fast path of a
-valid call; the ``check_*`` functions find the first problem and raise with its message.
+"""The ops' argument checks: each condition and its message, once in Python. csrc/cpu/checks.cpp is the C++ twin,
+the same conditions in the same order with the same messages (tests/test_bad_input.py holds both to the messages
+the specs list, the C++ one at run time and this one while tracing).
 
-csrc/cpu/checks.cpp is the C++ twin (same conditions, order and messages): where fastops._C loads, the dispatcher
-kernel runs it instead of these at run time, 5x cheaper at 300 params (fastops/_ops.py has the figures)."""
+The per-op checks (``adam_step_``, ``adam_step_lowp_``, ``sgd_step_``, ``unscale_check_``, ``grad_stats``) take the
+op's ``Args`` record (fastops/_specs) and raise RuntimeError with the first problem: list lengths, then per param
+its layout, dtype and device, its grad and states, then the tensor scalars. The hyperparameter checks
+(``nonnegative``, ``beta``) raise ValueError with torch.optim's constructor wording. Each op's spec says which run.
+
+This is what the fake kernel runs on metadata (paid once per trace) and what runs at each call where fastops._C does
+not load; elsewhere the C++ twin runs, in the call that runs the kernel (fastops/_ops.py has the figures)."""
 
 from __future__ import annotations
 
 import torch
 
+from ._quant import BLOCK, StateFormat
+
 # The param and grad dtypes every fastops kernel takes; optim, amp and the compile check use this one tuple.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLOATS = "float32, bfloat16 or float16"
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -27,35 +34,6 @@ def is_dense(t: torch.Tensor) -> bool:
             return False
         expected *= t.size(d)
     return True
-
-
-def dense_ok(ts) -> bool:
-    """Every tensor of ``ts`` strided and dense (check_dense passes; complex is left to the dtype tests)."""
-    strided = torch.strided
-    return all(t.layout == strided and (t.is_contiguous() or is_dense(t)) for t in ts)
-
-
-def like_ok(ts, refs, dtype: torch.dtype | None = None) -> bool:
-    """check_like(ts[i], refs[i], ..., dtype) passes for every i (the lengths are the caller's to test)."""
-    strided = torch.strided
-    if dtype is None:
-        return all(t.layout == strided and t.shape == r.shape and t.dtype == r.dtype and t.device == r.device
-                   and (t.numel() <= 1 or t.stride() == r.stride()) for t, r in zip(ts, refs))  # fmt: skip
-    return all(t.layout == strided and t.shape == r.shape and t.dtype == dtype and t.device == r.device
-               and (t.numel() <= 1 or t.stride() == r.stride()) for t, r in zip(ts, refs))  # fmt: skip
-
-
-def floats_ok(ts) -> bool:
-    """Every tensor of ``ts`` dense, of a FLOAT_DTYPES dtype, and on ``ts[0]``'s device."""
-    if not ts:
-        return True
-    device = ts[0].device
-    return dense_ok(ts) and all(t.dtype in FLOAT_DTYPES and t.device == device for t in ts)
-
-
-def steps_ok(steps) -> bool:
-    f32 = torch.float32
-    return all(s.dtype == f32 and s.numel() == 1 for s in steps)
 
 
 def check_dense(t: torch.Tensor, what: str) -> None:
@@ -87,20 +65,25 @@ def check_like(
         raise RuntimeError(f"{prefix}{what} has strides {t.stride()} but {ref_what} has strides {ref.stride()}")
 
 
-def _check_per_param(op: str, params, grads, lists: dict, fp32_states: tuple) -> None:
-    """One tensor of each list in ``lists`` per param; params dense floating tensors on one device; grads
-    like their params; the lists named in ``fp32_states`` (those present in ``lists``) fp32 tensors like
-    their params."""
+def _floats(ts, name: str, op: str) -> None:
+    """Every tensor of ``ts`` dense, of a FLOAT_DTYPES dtype, and on ``ts[0]``'s device."""
+    for i, t in enumerate(ts):
+        check_dense(t, f"{name}[{i}]")
+        if t.dtype not in FLOAT_DTYPES:
+            raise RuntimeError(f"fastops.{op}: {name}[{i}] has dtype {t.dtype}; expected {_FLOATS}")
+        if t.device != ts[0].device:
+            raise RuntimeError(f"fastops.{op}: {name}[{i}] is on {t.device} but {name}[0] is on {ts[0].device}")
+
+
+def _per_param(op: str, params, grads, lists: dict, fp32_states: tuple) -> None:
+    """One tensor of each list in ``lists`` per param; params dense floating tensors on one device; grads like their
+    params; the lists named in ``fp32_states`` (those present in ``lists``) fp32 tensors like their params."""
     n = len(params)
     for name, lst in lists.items():
         if len(lst) != n:
             raise RuntimeError(f"fastops.{op}: expected {n} {name} (one per param), got {len(lst)}")
+    _floats(params, "params", op)
     for i, p in enumerate(params):
-        check_dense(p, f"params[{i}]")
-        if p.dtype not in FLOAT_DTYPES:
-            raise RuntimeError(f"fastops.{op}: params[{i}] has dtype {p.dtype}; expected float32, bfloat16 or float16")
-        if p.device != params[0].device:
-            raise RuntimeError(f"fastops.{op}: params[{i}] is on {p.device} but params[0] is on {params[0].device}")
         check_dense(grads[i], f"grads[{i}]")
         check_like(grads[i], p, f"grads[{i}]", f"params[{i}]", None)
         for name in fp32_states:
@@ -108,89 +91,126 @@ def _check_per_param(op: str, params, grads, lists: dict, fp32_states: tuple) ->
                 check_like(lists[name][i], p, f"{name}[{i}]", f"params[{i}]", torch.float32)
 
 
-def check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params, amsgrad) -> None:
-    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "state_steps": state_steps}
-    if amsgrad:
-        lists["max_exp_avg_sqs"] = max_exp_avg_sqs
-    elif len(max_exp_avg_sqs):
-        raise RuntimeError("fastops.adam_step_: max_exp_avg_sqs must be empty when amsgrad=False")
-    if len(master_params):
-        lists["master_params"] = master_params
-    _check_per_param("adam_step_", params, grads, lists, ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "master_params"))
-    for i, s in enumerate(state_steps):
+def _steps(op: str, steps, params) -> None:
+    """One float32 element each, on the params' device: the kernels bump and read them there."""
+    for i, s in enumerate(steps):
         if s.numel() != 1 or s.dtype != torch.float32:
-            raise RuntimeError(f"fastops.adam_step_: state_steps[{i}] must be a float32 tensor with one element")
+            raise RuntimeError(f"fastops.{op}: state_steps[{i}] must be a float32 tensor with one element")
+        if s.device != params[0].device:
+            raise RuntimeError(f"fastops.{op}: state_steps[{i}] is on {s.device} but params[0] is on "
+                               f"{params[0].device}; the kernels read each step on the params' device")  # fmt: skip
 
 
-def check_adam_lowp_args(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, state_steps,
-                         master_params) -> str:
-    """The checks of ``adam_step_lowp_``; returns its mode, "8bit" (uint8 states) or "bf16"."""
-    op = "fastops.adam_step_lowp_"
-    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "state_steps": state_steps}
-    if len(master_params):
-        lists["master_params"] = master_params
-    _check_per_param("adam_step_lowp_", params, grads, lists, ("master_params",))
-    state_dtype = exp_avgs[0].dtype if len(exp_avgs) else torch.uint8
-    if state_dtype not in (torch.uint8, torch.bfloat16):
-        raise RuntimeError(f"{op}: exp_avgs[0] has dtype {state_dtype}; expected uint8 (8-bit states) or bfloat16")
-    mode = "8bit" if state_dtype == torch.uint8 else "bf16"
-    for name in ("exp_avgs", "exp_avg_sqs"):
-        for i, t in enumerate(lists[name]):
-            check_like(t, params[i], f"{name}[{i}]", f"params[{i}]", state_dtype, prefix=f"{op}: ")
-    for i, s in enumerate(state_steps):
-        if s.numel() != 1 or s.dtype != torch.float32:
-            raise RuntimeError(f"{op}: state_steps[{i}] must be a float32 tensor with one element")
-    for name, lst in (("exp_avg_absmax", exp_avg_absmax), ("exp_avg_sq_absmax", exp_avg_sq_absmax)):
-        if mode == "bf16":
-            if len(lst):
-                raise RuntimeError(f"{op}: {name} must be empty with bfloat16 states")
-            continue
-        if len(lst) != len(params):
-            raise RuntimeError(f"{op}: expected {len(params)} {name} (one per param), got {len(lst)}")
-        for i, a in enumerate(lst):
-            blocks = (params[i].numel() + 255) // 256
-            if a.dtype != torch.float32 or a.device != params[i].device or a.dim() != 1 or a.numel() != blocks or not a.is_contiguous():
-                raise RuntimeError(
-                    f"{op}: {name}[{i}] must be a contiguous 1-D float32 tensor of {blocks} elements (one per 256 "
-                    f"of params[{i}]) on {params[i].device}, got {a.dtype} of shape {tuple(a.shape)} on {a.device}"
-                )
-    return mode
-
-
-def check_sgd_args(params, grads, momentum_buffers, master_params, momentum) -> None:
-    lists = {"grads": grads}
-    if momentum != 0:
-        lists["momentum_buffers"] = momentum_buffers
-    elif len(momentum_buffers):
-        raise RuntimeError("fastops.sgd_step_: momentum_buffers must be empty when momentum=0")
-    if len(master_params):
-        lists["master_params"] = master_params
-    _check_per_param("sgd_step_", params, grads, lists, ("momentum_buffers", "master_params"))
-
-
-def check_grads(grads, op: str) -> None:
-    for i, g in enumerate(grads):
-        check_dense(g, f"grads[{i}]")
-        if g.dtype not in FLOAT_DTYPES:
-            raise RuntimeError(f"fastops.{op}: grads[{i}] has dtype {g.dtype}; expected float32, bfloat16 or float16")
-        if g.device != grads[0].device:
-            raise RuntimeError(f"fastops.{op}: grads[{i}] is on {g.device} but grads[0] is on {grads[0].device}")
-
-
-def check_scalar(t: torch.Tensor, op: str, what: str, device: torch.device) -> None:
-    """A one-element floating tensor on ``device`` or the CPU (kernels read it through a pointer or on the host)."""
+def check_scalar(t: torch.Tensor | None, op: str, what: str, device: torch.device) -> None:
+    """None, or a one-element floating tensor on ``device`` or the CPU (kernels read it through a pointer or on the
+    host)."""
+    if t is None:
+        return
     if t.numel() != 1 or not t.is_floating_point():
         raise RuntimeError(
             f"fastops.{op}: {what} must be a floating tensor with one element, got {t.dtype} of shape {tuple(t.shape)}"
         )
     if t.device != device and t.device.type != "cpu":
-        raise RuntimeError(f"fastops.{op}: {what} is on {t.device} but the tensors are on {device}; pass it on {device} or the CPU")
+        raise RuntimeError(f"fastops.{op}: {what} is on {t.device} but the tensors are on {device}; pass it on "
+                           f"{device} or the CPU")
 
 
-def check_found_inf(found_inf: torch.Tensor, op: str, device: torch.device) -> None:
-    """One float32 element on ``device``: the kernels write 1.0 into it."""
+def _step_scalars(op: str, a) -> None:
+    if len(a.params):
+        for what in ("lr", "grad_scale", "found_inf"):
+            check_scalar(getattr(a, what), op, what, a.params[0].device)
+
+
+def adam_step_(a) -> None:
+    op = "adam_step_"
+    if not a.amsgrad and len(a.max_exp_avg_sqs):
+        raise RuntimeError("fastops.adam_step_: max_exp_avg_sqs must be empty when amsgrad=False")
+    lists = {"grads": a.grads, "exp_avgs": a.exp_avgs, "exp_avg_sqs": a.exp_avg_sqs, "state_steps": a.state_steps}
+    if a.amsgrad:
+        lists["max_exp_avg_sqs"] = a.max_exp_avg_sqs
+    if len(a.master_params):
+        lists["master_params"] = a.master_params
+    _per_param(op, a.params, a.grads, lists, ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "master_params"))
+    _steps(op, a.state_steps, a.params)
+    _step_scalars(op, a)
+
+
+def adam_step_lowp_(a) -> None:
+    op, prefix = "adam_step_lowp_", "fastops.adam_step_lowp_: "
+    lists = {"grads": a.grads, "exp_avgs": a.exp_avgs, "exp_avg_sqs": a.exp_avg_sqs, "state_steps": a.state_steps}
+    if len(a.master_params):
+        lists["master_params"] = a.master_params
+    _per_param(op, a.params, a.grads, lists, ("master_params",))
+    fmt = StateFormat.of(a.exp_avgs)
+    if fmt not in (StateFormat.EIGHT_BIT, StateFormat.BF16):
+        raise RuntimeError(f"{prefix}exp_avgs[0] has dtype {a.exp_avgs[0].dtype}; expected uint8 (8-bit states) or "
+                           "bfloat16")  # fmt: skip
+    for name in ("exp_avgs", "exp_avg_sqs"):
+        for i, t in enumerate(lists[name]):
+            check_like(t, a.params[i], f"{name}[{i}]", f"params[{i}]", fmt.dtype, prefix=prefix)
+    _steps(op, a.state_steps, a.params)
+    for name in ("exp_avg_absmax", "exp_avg_sq_absmax"):
+        lst = getattr(a, name)
+        if fmt is StateFormat.BF16:
+            if len(lst):
+                raise RuntimeError(f"{prefix}{name} must be empty with bfloat16 states")
+            continue
+        if len(lst) != len(a.params):
+            raise RuntimeError(f"{prefix}expected {len(a.params)} {name} (one per param), got {len(lst)}")
+        for i, (t, p) in enumerate(zip(lst, a.params)):
+            blocks = (p.numel() + BLOCK - 1) // BLOCK
+            if (t.dtype != torch.float32 or t.device != p.device or t.dim() != 1 or t.numel() != blocks
+                    or not t.is_contiguous()):  # fmt: skip
+                raise RuntimeError(
+                    f"{prefix}{name}[{i}] must be a contiguous 1-D float32 tensor of {blocks} elements (one per 256 "
+                    f"of params[{i}]) on {p.device}, got {t.dtype} of shape {tuple(t.shape)} on {t.device}"
+                )
+    _step_scalars(op, a)
+
+
+def sgd_step_(a) -> None:
+    op = "sgd_step_"
+    if a.momentum == 0 and len(a.momentum_buffers):
+        raise RuntimeError("fastops.sgd_step_: momentum_buffers must be empty when momentum=0")
+    lists = {"grads": a.grads}
+    if a.momentum != 0:
+        lists["momentum_buffers"] = a.momentum_buffers
+    if len(a.master_params):
+        lists["master_params"] = a.master_params
+    _per_param(op, a.params, a.grads, lists, ("momentum_buffers", "master_params"))
+    _step_scalars(op, a)
+
+
+def unscale_check_(a) -> None:
+    op = "unscale_check_"
+    _floats(a.grads, "grads", op)
+    if not len(a.grads):
+        return
+    device, found_inf = a.grads[0].device, a.found_inf
     if found_inf.numel() != 1 or found_inf.dtype != torch.float32 or found_inf.device != device:
+        # The kernels write 1.0 into it.
         raise RuntimeError(
             f"fastops.{op}: found_inf must be one float32 element on {device} (the kernel writes it), "
             f"got {found_inf.dtype} of shape {tuple(found_inf.shape)} on {found_inf.device}"
         )
+    check_scalar(a.inv_scale, op, "inv_scale", device)
+
+
+def grad_stats(a) -> None:
+    op = "grad_stats"
+    if not len(a.grads):
+        raise RuntimeError(f"fastops.{op}: needs at least one tensor")
+    _floats(a.grads, "grads", op)
+    check_scalar(a.inv_scale, op, "inv_scale", a.grads[0].device)
+
+
+def nonnegative(value: float, what: str) -> None:
+    """torch.optim's constructor rule and wording ("Invalid epsilon value: -1e-08"); nan fails."""
+    if not 0.0 <= value:
+        raise ValueError(f"Invalid {what}: {value}")
+
+
+def beta(value: float, index: int) -> None:
+    # beta = 1 makes the bias correction 1 - 1**t = 0: nan params (torch's constructor rule, [0, 1)).
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"Invalid beta parameter at index {index}: {value}")

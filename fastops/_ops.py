@@ -1,10 +1,10 @@
 """The op registry: every ``torch.ops.fastops.*`` op is registered here from its spec (fastops/_specs), which
-holds its schema, its one argument check and its sample inputs.
+holds its schema (the one place its arguments are written), its one argument check and its sample inputs.
 
 Backends (``fastops.reference``, ``fastops._C`` for C++ CPU and CUDA, ``fastops.kernels`` for Triton)
-implement plain functions with exactly these signatures. This module registers the schemas, the fake
-kernels used by ``torch.compile``/``opcheck`` (the spec's check on metadata, so a bad call fails while
-tracing), and one dispatcher kernel per device type that runs the spec's check once and forwards to the
+implement plain functions taking the op's arguments in the schema's order. This module registers the schemas, the
+fake kernels used by ``torch.compile``/``opcheck`` (the spec's check on metadata, so a bad call fails while
+tracing), and one dispatcher kernel per device type that runs the op's check once and forwards to the
 backend chosen once for that device (see ``fastops._backend``). Backends assume valid input.
 
 Semantics shared by every backend:
@@ -56,42 +56,39 @@ from ._specs import SPECS
 
 SCHEMAS = {name: spec.schema for name, spec in SPECS.items()}
 
-# Where the one run-time check runs. Measured at 300 fp32 params of ~1000 elements (adam_step_, 1 thread, the 2-core
-# machine this repository's CI resembles; median of 7-9 runs): the specs' Python check (bulk tests, a message built
-# only on failure) 1170 us a call, the per-tensor checks of fastops/_checks.py it replaced 2100 us, csrc/cpu/checks.cpp
-# called from Python (torch.ops.fastops_checks.*) 224 us, the whole C++ CPU step 361 us. Of the C++ check's cost
-# ~135 us is handing the tensor lists through torch.ops: the same checks run inside the backend took ~20 us (the
-# backends dropped them: a whole call 437-443 -> 418-419 us); a cheaper way in is the next thing to try. Under load every figure
-# grew ~4x and the ratio held (Python 5.3-5.8x the C++ check). So where fastops._C loads, the dispatcher kernel runs
-# the C++ check (same conditions, order and messages: tests/test_bad_input.py holds both to the specs' messages) and
-# only the float hyperparameters in Python (7 us); the Python check runs in the fake kernel (at trace time, paid
-# once a compile) and at run time only without fastops._C.
-_CPP_CHECKS = getattr(torch.ops, "fastops_checks", None) if _backend._C is not None else None
+# Where the run-time check runs. The float hyperparameters are checked here in Python (a few compares); the tensors,
+# where fastops._C loads, by the C++ check (csrc/cpu/checks.cpp: fastops/_checks.py's conditions, order and
+# messages): for fastops._C's own backends inside the call that runs the kernel (csrc/generated/op_bindings.h), so
+# an op crosses from Python into C++ once; for the Triton and reference backends through fastops._C.checks, then the
+# kernel. The Python check runs in the fake kernel (at trace time, once a compile) and at run time only without
+# fastops._C. Measured by benchmarks/bench_op_overhead.py (adam_step_, 300 fp32 params, C++ CPU backend, 1 thread,
+# thread CPU time, the Xeon of benchmarks/results/op_overhead_cpu*.json): the whole op call took 488 us with 1
+# element a param and 820 us with 1000 when the check was a second op (torch.ops.fastops_checks, 246 us a call of
+# which ~135 us handing the lists through torch.ops); with the check in the kernel's call, see the after figures
+# there. The Python check of the same call: 920-1200 us.
+# fastops._C's backends: each op runs its tensor check, its kernel and its version bumps in one C++ call.
+_C_BACKENDS = ("cpp", "cuda")
 
 
-def _runtime_check(name: str):
-    spec = SPECS[name]
-    cpp = getattr(_CPP_CHECKS, name, None) if _CPP_CHECKS is not None else None
-    if cpp is None:
-        return spec.check
-    values = spec.check_values
-
-    def check(args):
-        cpp(*args)
-        values(args)
-
-    return check
+def _tensor_check(spec):
+    if _backend._C is not None:
+        return getattr(_backend._C.checks, spec.name)
+    return lambda *args: spec.check_tensors(spec.Args(*args))
 
 
 _lib = torch.library.Library("fastops", "DEF")
 
 
-def _make_kernel(name: str, device_type: str):
-    check, mutated = _runtime_check(name), SPECS[name].mutated
+def _make_kernel(spec, device_type: str):
+    name, values, tensors, Args, mutated = spec.name, spec.check_values, _tensor_check(spec), spec.Args, spec.mutated
 
     def kernel(*args):
-        check(args)
-        out = _backend.impl(device_type, name)(*args)
+        values(Args(*args))
+        backend, module = _backend.chosen(device_type)
+        if backend in _C_BACKENDS:
+            return getattr(module, name)(*args)
+        tensors(*args)
+        out = getattr(module, name)(*args)
         for i in mutated:
             increment_version(args[i])
         return out
@@ -100,13 +97,13 @@ def _make_kernel(name: str, device_type: str):
     return kernel
 
 
-def _make_fallback(name: str):
+def _make_fallback(spec):
     # Reached with no tensor to dispatch on (grad_stats([])) or a device type no backend serves.
     def fallback(*args):
+        spec.check(args)  # a call the op refuses fails with the op's message
         tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
-        if not tensors:
-            raise RuntimeError(f"fastops.{name}: needs at least one tensor")
-        raise RuntimeError(f"fastops.{name}: no kernel for {tensors[0].device.type} tensors; fastops serves {_backend.DEVICE_TYPES}")
+        where = f"{tensors[0].device.type} tensors" if tensors else "a call without tensors"
+        raise RuntimeError(f"fastops.{spec.name}: no kernel for {where}; fastops serves {_backend.DEVICE_TYPES}")
 
     return fallback
 
@@ -115,8 +112,8 @@ for _name, _spec in SPECS.items():
     _lib.define(_spec.schema)
     torch.library.register_fake(f"fastops::{_name}", _spec.fake, lib=_lib)
     for _dev in _backend.DEVICE_TYPES:
-        _lib.impl(_name, _make_kernel(_name, _dev), _dev.upper())
-    _lib.impl(_name, _make_fallback(_name), "CompositeExplicitAutograd")
+        _lib.impl(_name, _make_kernel(_spec, _dev), _dev.upper())
+    _lib.impl(_name, _make_fallback(_spec), "CompositeExplicitAutograd")
 
 adam_step_ = torch.ops.fastops.adam_step_.default
 adam_step_lowp_ = torch.ops.fastops.adam_step_lowp_.default

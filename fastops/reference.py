@@ -94,16 +94,16 @@ def adam_step_lowp_(
     lr, beta1, beta2, eps, weight_decay, maximize, decoupled, seed, grad_scale, found_inf,
 ):  # fmt: skip
     # adam_step_'s update on states decoded to fp32, written back in their low-precision format (fastops/_quant.py).
-    mode = "8bit" if exp_avgs and exp_avgs[0].dtype == torch.uint8 else "bf16"
+    eight_bit = _quant.StateFormat.of(exp_avgs) is _quant.StateFormat.EIGHT_BIT
 
     def decode(i):
-        if mode == "8bit":
+        if eight_bit:
             return (_quant.dequantize(exp_avgs[i], exp_avg_absmax[i], signed=True),
                     _quant.dequantize(exp_avg_sqs[i], exp_avg_sq_absmax[i], signed=False), None)  # fmt: skip
         return exp_avgs[i].float(), exp_avg_sqs[i].float(), None
 
     def encode(i, exp_avg, exp_avg_sq):
-        if mode == "8bit":
+        if eight_bit:
             _quant.quantize(exp_avg, True, exp_avgs[i], exp_avg_absmax[i])
             _quant.quantize(exp_avg_sq, False, exp_avg_sqs[i], exp_avg_sq_absmax[i])
         elif params[i].numel():
@@ -157,8 +157,6 @@ def unscale_check_(grads, found_inf, inv_scale):
 
 @torch.no_grad()
 def grad_stats(grads, inv_scale=None):
-    if len(grads) == 0:
-        raise RuntimeError("fastops.grad_stats: needs at least one tensor")
     device = grads[0].device
     if inv_scale is not None:
         inv = inv_scale.to(device=device, dtype=torch.float32).reshape(())

@@ -1,8 +1,10 @@
 """Triton kernels for fastops (the ``triton`` backend, see ``fastops._backend``).
 
-Each launcher has the positional signature of its ``fastops.reference`` counterpart. On CUDA tensors they
-run compiled; on CPU tensors only under ``TRITON_INTERPRET=1`` (set before triton is imported), which is
-how they are tested on machines without a GPU.
+Each launcher takes its op's arguments in the schema's order (fastops/_specs; the optimizer launchers read them
+through the op's ``Args`` record), plus the keyword ``host_scalars``: the names of the scalar arguments to read on
+the host even where they are on the tensors' device, the path CPU scalars take with CUDA tensors, which tests and
+compile-check take on CPU tensors (``_common.StepScalars``). On CUDA tensors they run compiled; on CPU tensors only
+under ``TRITON_INTERPRET=1`` (set before triton is imported), which is how they are tested without a GPU.
 """
 
 from ._common import TABLES

@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from ._common import (
-    StepScalars, TL_DTYPE, block_sizes, chunk_of, device_scope, group_by_dtype, ld, round_to, scalar_value, st,
-    table_ptr, tensor_table,
+    TL_DTYPE, block_sizes, chunk_of, device_scope, group_by_dtype, ld, round_to, scalar_value, st,
+    step_scalars, table_ptr, tensor_table,
 )
 
 # The columns every Adam tensor table starts with; an op's own pointer columns follow, and numel is last (where
@@ -191,35 +191,24 @@ def _consts(beta1: float, beta2: float, weight_decay: float, device: torch.devic
     return _CONSTS[key]
 
 
-def launch(
-    op: str, kernel, params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params,
-    lr, beta1, beta2, eps, weight_decay, maximize, decoupled, grad_scale, found_inf, scalars_on_host: bool,
-    own_cols, own_args: tuple = (), **constexprs,
-):  # fmt: skip
-    """Bumps the step counters and launches ``kernel`` once per param dtype. The kernel's arguments are the
-    common ones as one tuple (below; ``program_scalars`` reads them), then ``own_args``, then the constexprs; its table rows are the common columns, then
-    ``own_cols(i)`` (tensor i's own pointers), then numel. ``op`` names the op in errors and picks the block
-    sizes (``_common.block_sizes``). ``scalars_on_host``: see ``_common.StepScalars``."""
-    if len(params) == 0:
+def launch(op: str, kernel, a, host_scalars, own_cols, own_args: tuple = (), **constexprs):
+    """Bumps the step counters and launches ``kernel`` once per param dtype, for the op's arguments ``a`` (its
+    ``Args`` record: adam_step_'s and adam_step_lowp_'s share these fields). The kernel's arguments are the common
+    ones as one tuple (below; ``program_scalars`` reads them), then ``own_args``, then the constexprs; its table rows
+    are the common columns, then ``own_cols(i)`` (tensor i's own pointers), then numel. ``op`` picks the block sizes
+    (``_common.block_sizes``); ``host_scalars``: see ``_common.StepScalars``."""
+    sc = step_scalars(a, host_scalars)
+    if sc is None:
         return
+    params, master_params, steps = a.params, a.master_params, list(a.state_steps)
     device = params[0].device
-    for i, s in enumerate(state_steps):
-        if s.device != device:
-            raise RuntimeError(
-                f"fastops.{op}: state_steps[{i}] is on {s.device} but params[0] is on {device}; "
-                "the kernel reads each step through a pointer"
-            )
-    sc = StepScalars(op, device, lr, grad_scale, found_inf, scalars_on_host)
-    if sc.skip:
-        return
-    steps = list(state_steps)
     kind = _KIND[op]
     chunk, block, num_warps = block_sizes(kind)
-    beta1, beta2, eps, weight_decay = float(beta1), float(beta2), float(eps), float(weight_decay)
+    beta1, beta2, eps, weight_decay = float(a.beta1), float(a.beta2), float(a.eps), float(a.weight_decay)
     lerp_weight = 1 - beta1
     # torch.lerp picks its formula by |weight| < 0.5 on the fp32 weight.
     lerp_small = abs(_f32(lerp_weight)) < 0.5
-    wd_mode = 0 if weight_decay == 0 else (2 if decoupled else 1)
+    wd_mode = 0 if weight_decay == 0 else (2 if a.decoupled else 1)
     consts = _consts(beta1, beta2, weight_decay, device)
     ncols = FIRST_OWN.value + len(own_cols(0)) + 1
     with device_scope(device):
@@ -231,9 +220,9 @@ def launch(
         for dtype, idx in group_by_dtype(params).items():
             table = tensor_table(kind, device, chunk, idx, lambda i: (
                 params[i].data_ptr(),
-                grads[i].data_ptr(),
-                exp_avgs[i].data_ptr(),
-                exp_avg_sqs[i].data_ptr(),
+                a.grads[i].data_ptr(),
+                a.exp_avgs[i].data_ptr(),
+                a.exp_avg_sqs[i].data_ptr(),
                 master_params[i].data_ptr() if master_params else 0,
                 steps[i].data_ptr(),
                 *own_cols(i),
@@ -247,7 +236,7 @@ def launch(
                  _f32(sc.scale), inf_ptr, _f32(beta2), _f32(1 - beta2), _f32(lerp_weight), _f32(eps),
                  _f32(weight_decay)), *own_args,
                 P_DTYPE=TL_DTYPE[dtype], CHUNK=chunk, COLS=ncols, LR_PTR=sc.lr_t is not None, SCALE=sc.scale_mode,
-                FOUND_INF=sc.inf_t is not None, MAXIMIZE=bool(maximize), WD=wd_mode, MASTER=bool(master_params),
+                FOUND_INF=sc.inf_t is not None, MAXIMIZE=bool(a.maximize), WD=wd_mode, MASTER=bool(master_params),
                 LERP_SMALL=lerp_small, ALIGNED=table.aligned, EMULATE_FMA=_INTERPRETED, **constexprs,
                 num_warps=num_warps, enable_fp_fusion=False,
             )  # fmt: skip

@@ -148,10 +148,10 @@ def device_scope(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def scalar_source(t: torch.Tensor, device: torch.device, op: str, what: str, on_host: bool = False):
-    """Where the kernel gets a one-element tensor's value: ``(t, 0.0)`` to read it through a pointer (it is
-    on ``device``), or ``(None, value)`` when it is a CPU tensor read here (no device sync). ``op`` and ``what``
-    name the scalar for compile-check's capture (fastops/compile_check/capture.py); the op checked it already."""
+def scalar_source(t: torch.Tensor, device: torch.device, on_host: bool = False):
+    """Where the kernel gets a one-element tensor's value: ``(t, 0.0)`` to read it through a pointer (it is on
+    ``device``), or ``(None, value)`` when it is a CPU tensor read here (no device sync), or ``on_host``. The op
+    checked it already."""
     if t.device == device and not on_host:
         return t, 0.0
     return None, float(t.item())
@@ -160,27 +160,36 @@ def scalar_source(t: torch.Tensor, device: torch.device, op: str, what: str, on_
 class StepScalars:
     """Where an optimizer step's kernel reads lr, grad_scale and found_inf: through a pointer when the tensor
     is on the params' device (no host read, so the launch can be captured in a CUDA graph), else the value,
-    read here from a CPU tensor. ``on_host`` reads them here even on the params' device: the path CPU
-    scalars take with CUDA params, which tests on CPU tensors reach only this way."""
+    read here from a CPU tensor. ``host_scalars`` names those to read here even on the params' device: the path CPU
+    scalars take with CUDA params, which CPU tensors reach only this way (the launchers' option of that name)."""
 
     __slots__ = ("lr_t", "lr", "scale_t", "scale", "scale_mode", "inf_t", "skip")
 
-    def __init__(self, op: str, device: torch.device, lr, grad_scale, found_inf, on_host: bool):
-        self.lr_t, self.lr = scalar_source(lr, device, op, "lr", on_host)
+    def __init__(self, device: torch.device, lr, grad_scale, found_inf, host_scalars=()):
+        self.lr_t, self.lr = scalar_source(lr, device, "lr" in host_scalars)
         self.scale_t, self.scale = None, 1.0
         if grad_scale is not None:
-            self.scale_t, self.scale = scalar_source(grad_scale, device, op, "grad_scale", on_host)
+            self.scale_t, self.scale = scalar_source(grad_scale, device, "grad_scale" in host_scalars)
         # The kernels' SCALE constexpr: 0 no grad_scale, 1 its value, 2 its pointer.
         self.scale_mode = 0 if grad_scale is None else (1 if self.scale_t is None else 2)
         self.inf_t, inf = None, 0.0
         if found_inf is not None:
-            self.inf_t, inf = scalar_source(found_inf, device, op, "found_inf", on_host)
+            self.inf_t, inf = scalar_source(found_inf, device, "found_inf" in host_scalars)
         # A CPU found_inf that is set: the step is skipped without a launch.
         self.skip = self.inf_t is None and inf != 0
 
     def pointers(self, dummy: torch.Tensor) -> tuple:
         """The (lr, grad_scale, found_inf) pointer arguments, ``dummy`` standing in for those read as values."""
         return tuple(dummy if t is None else t for t in (self.lr_t, self.scale_t, self.inf_t))
+
+
+def step_scalars(a, host_scalars) -> StepScalars | None:
+    """The ``StepScalars`` of an optimizer op's arguments ``a`` (its ``Args`` record), or None where there is nothing
+    to launch: no params, or a CPU found_inf that is set."""
+    if len(a.params) == 0:
+        return None
+    sc = StepScalars(a.params[0].device, a.lr, a.grad_scale, a.found_inf, host_scalars)
+    return None if sc.skip else sc
 
 
 def tensor_table(op: str, device: torch.device, chunk: int, idx, row, ncols: int) -> Table:

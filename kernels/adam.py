@@ -8,6 +8,8 @@ import triton
 import triton.language as tl
 
 
+from fastops._specs.adam import SPEC as ADAM
+
 from . import _adam
 from ._adam import FIRST_OWN
 from ._common import block_sizes, ld, st, table_ptr
@@ -64,25 +66,9 @@ def _adam_kernel(
 
 
 @torch.no_grad()
-def adam_step_(
-    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params,
-    lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, grad_scale, found_inf,
-):  # fmt: skip
-    _adam_step(
-        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params,
-        lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, grad_scale, found_inf,
-    )  # fmt: skip
-
-
-def _adam_step(
-    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params,
-    lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, grad_scale, found_inf,
-    scalars_on_host: bool = False,
-):  # fmt: skip
-    """``scalars_on_host``: see ``_common.StepScalars``."""
-    _adam.launch(
-        "adam_step_", _adam_kernel, params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params,
-        lr, beta1, beta2, eps, weight_decay, maximize, decoupled, grad_scale, found_inf, scalars_on_host,
-        lambda i: (max_exp_avg_sqs[i].data_ptr() if amsgrad else 0,),
-        BLOCK=block_sizes("adam")[1], AMSGRAD=bool(amsgrad),
-    )  # fmt: skip
+def adam_step_(*args, host_scalars=()):
+    """adam_step_ on the op's arguments (fastops/_specs/adam.py); ``host_scalars``: see ``_common.StepScalars``."""
+    a = ADAM.Args(*args)
+    _adam.launch("adam_step_", _adam_kernel, a, host_scalars,
+                 lambda i: (a.max_exp_avg_sqs[i].data_ptr() if a.amsgrad else 0,),
+                 BLOCK=block_sizes("adam")[1], AMSGRAD=bool(a.amsgrad))

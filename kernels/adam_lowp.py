@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 
 from fastops import _quant
+from fastops._quant import StateFormat
+from fastops._specs.adam_lowp import SPEC as LOWP
 
 from . import _adam, _codec
 from ._adam import FIRST_OWN
@@ -90,18 +92,17 @@ def _adam_lowp_kernel(
 
 
 @torch.no_grad()
-def adam_step_lowp_(
-    params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, state_steps, master_params,
-    lr, beta1, beta2, eps, weight_decay, maximize, decoupled, seed, grad_scale, found_inf,
-):  # fmt: skip
-    if len(params) == 0:
+def adam_step_lowp_(*args, host_scalars=()):
+    """adam_step_lowp_ on the op's arguments (fastops/_specs/adam_lowp.py); ``host_scalars``: see
+    ``_common.StepScalars``."""
+    a = LOWP.Args(*args)
+    if len(a.params) == 0:
         return
-    eight_bit = exp_avgs[0].dtype == torch.uint8
+    eight_bit = StateFormat.of(a.exp_avgs) is StateFormat.EIGHT_BIT
     _adam.launch(
-        "adam_step_lowp_", _adam_lowp_kernel, params, grads, exp_avgs, exp_avg_sqs, state_steps, master_params,
-        lr, beta1, beta2, eps, weight_decay, maximize, decoupled, grad_scale, found_inf, False,
-        lambda i: (exp_avg_absmax[i].data_ptr() if eight_bit else 0,
-                   exp_avg_sq_absmax[i].data_ptr() if eight_bit else 0, i),
-        (_codec.seed_i32(seed), *_codec.qmaps(params[0].device)),
+        "adam_step_lowp_", _adam_lowp_kernel, a, host_scalars,
+        lambda i: (a.exp_avg_absmax[i].data_ptr() if eight_bit else 0,
+                   a.exp_avg_sq_absmax[i].data_ptr() if eight_bit else 0, i),
+        (_codec.seed_i32(a.seed), *_codec.qmaps(a.params[0].device)),
         EIGHT_BIT=eight_bit, ROWS=block_sizes("adam_lowp")[1] // _quant.BLOCK,
     )  # fmt: skip

@@ -14,7 +14,8 @@ import triton.language as tl
 
 
 from ._common import (
-    FLOAT32_MAX, TL_DTYPE, block_sizes, chunk_of, device_scope, group_by_dtype, ld, round_to, scalar_source, scalar_value,
+    FLOAT32_MAX, TL_DTYPE, block_sizes, chunk_of, device_scope, group_by_dtype, ld, round_to, scalar_source,
+    scalar_value,
     st, table_ptr, tensor_table,
 )
 
@@ -133,17 +134,12 @@ def _grad_stats_reduce_kernel(partials, out, n, BLOCK: tl.constexpr):
 
 
 @torch.no_grad()
-def unscale_check_(grads, found_inf, inv_scale):
-    _unscale_check(grads, found_inf, inv_scale)
-
-
-def _unscale_check(grads, found_inf, inv_scale, scalars_on_host: bool = False):
-    """``scalars_on_host`` reads inv_scale on the host even when it is on the grads' device (the path a CPU
-    inv_scale takes with CUDA grads), for tests on CPU tensors."""
+def unscale_check_(grads, found_inf, inv_scale, *, host_scalars=()):
+    """``host_scalars``: see ``_common.StepScalars`` (here "inv_scale")."""
     if len(grads) == 0:
         return
     device = grads[0].device
-    inv_t, inv_value = scalar_source(inv_scale, device, "unscale_check_", "inv_scale", scalars_on_host)
+    inv_t, inv_value = scalar_source(inv_scale, device, "inv_scale" in host_scalars)
     chunk, block, num_warps = block_sizes("unscale")
     with device_scope(device):
         for dtype, idx in group_by_dtype(grads).items():
@@ -158,18 +154,12 @@ def _unscale_check(grads, found_inf, inv_scale, scalars_on_host: bool = False):
 
 
 @torch.no_grad()
-def grad_stats(grads, inv_scale=None):
-    return _grad_stats(grads, inv_scale)
-
-
-def _grad_stats(grads, inv_scale=None, scalars_on_host: bool = False):
-    """``scalars_on_host``: as in ``_unscale_check``."""
-    if len(grads) == 0:
-        raise RuntimeError("fastops.grad_stats: needs at least one tensor")
+def grad_stats(grads, inv_scale=None, *, host_scalars=()):
+    """``host_scalars``: see ``_common.StepScalars`` (here "inv_scale")."""
     device = grads[0].device
     inv_t, inv_value = None, 1.0
     if inv_scale is not None:
-        inv_t, inv_value = scalar_source(inv_scale, device, "grad_stats", "inv_scale", scalars_on_host)
+        inv_t, inv_value = scalar_source(inv_scale, device, "inv_scale" in host_scalars)
     chunk, block, num_warps = block_sizes("stats")
     _, reduce_block, reduce_warps = block_sizes("stats_reduce")
     with device_scope(device):

@@ -13,18 +13,16 @@ import triton
 import triton.language as tl
 
 
+from fastops._specs.sgd import SPEC as SGD
+
 from ._common import (
-    StepScalars, TL_DTYPE, block_sizes, chunk_of, device_scope, group_by_dtype, ld, round_to, scalar_value, st, table_ptr,
+    TL_DTYPE, block_sizes, chunk_of, device_scope, group_by_dtype, ld, round_to, scalar_value, st, step_scalars,
+    table_ptr,
     tensor_table,
 )
 
-# Columns of the SGD tensor table (pointers, 0 when absent, then numel), as the kernel reads them.
-_P = tl.constexpr(0)
-_G = tl.constexpr(1)
-_BUF = tl.constexpr(2)
-_MASTER = tl.constexpr(3)
-_NUMEL = tl.constexpr(4)
-_SGD_COLS = tl.constexpr(5)
+# Columns of the SGD tensor table (pointers, 0 when absent, then numel), as the kernel reads them, and their count.
+_P, _G, _BUF, _MASTER, _NUMEL, _SGD_COLS = (tl.constexpr(i) for i in range(6))
 
 
 @triton.jit
@@ -104,37 +102,23 @@ def _sgd_kernel(
 
 
 @torch.no_grad()
-def sgd_step_(
-    params, grads, momentum_buffers, master_params, lr, weight_decay, momentum, dampening, nesterov, maximize,
-    is_first_step, grad_scale, found_inf,
-):  # fmt: skip
-    _sgd_step(
-        params, grads, momentum_buffers, master_params, lr, weight_decay, momentum, dampening, nesterov, maximize,
-        is_first_step, grad_scale, found_inf,
-    )  # fmt: skip
-
-
-def _sgd_step(
-    params, grads, momentum_buffers, master_params, lr, weight_decay, momentum, dampening, nesterov, maximize,
-    is_first_step, grad_scale, found_inf, scalars_on_host: bool = False,
-):  # fmt: skip
-    """``scalars_on_host``: see ``_common.StepScalars``."""
-    if len(params) == 0:
+def sgd_step_(*args, host_scalars=()):
+    """sgd_step_ on the op's arguments (fastops/_specs/sgd.py); ``host_scalars``: see ``_common.StepScalars``."""
+    a = SGD.Args(*args)
+    sc = step_scalars(a, host_scalars)
+    if sc is None:
         return
-    device = params[0].device
-    sc = StepScalars("sgd_step_", device, lr, grad_scale, found_inf, scalars_on_host)
-    if sc.skip:
-        return
+    params, device = a.params, a.params[0].device
     chunk, block, num_warps = block_sizes("sgd")
-    has_momentum = momentum != 0
-    mode = 0 if not has_momentum else (1 if is_first_step else 2)
+    has_momentum = a.momentum != 0
+    mode = 0 if not has_momentum else (1 if a.is_first_step else 2)
     with device_scope(device):
         for dtype, idx in group_by_dtype(params).items():
             table = tensor_table("sgd", device, chunk, idx, lambda i: (
                 params[i].data_ptr(),
-                grads[i].data_ptr(),
-                momentum_buffers[i].data_ptr() if has_momentum else 0,
-                master_params[i].data_ptr() if master_params else 0,
+                a.grads[i].data_ptr(),
+                a.momentum_buffers[i].data_ptr() if has_momentum else 0,
+                a.master_params[i].data_ptr() if a.master_params else 0,
                 params[i].numel(),
             ), _SGD_COLS.value)  # fmt: skip
             if table.n_chunks == 0:
@@ -142,9 +126,9 @@ def _sgd_step(
             lr_ptr, scale_ptr, inf_ptr = sc.pointers(table.rows)
             _sgd_kernel[(table.n_chunks,)](
                 table.rows, table.chunks, lr_ptr, sc.lr, scale_ptr, sc.scale, inf_ptr,
-                float(weight_decay), float(momentum), 1 - float(dampening),
+                float(a.weight_decay), float(a.momentum), 1 - float(a.dampening),
                 P_DTYPE=TL_DTYPE[dtype], CHUNK=chunk, BLOCK=block, LR_PTR=sc.lr_t is not None, SCALE=sc.scale_mode,
-                FOUND_INF=sc.inf_t is not None, MAXIMIZE=bool(maximize), WD=weight_decay != 0, MOMENTUM=mode,
-                NESTEROV=bool(nesterov) and has_momentum, MASTER=bool(master_params), ALIGNED=table.aligned,
+                FOUND_INF=sc.inf_t is not None, MAXIMIZE=bool(a.maximize), WD=a.weight_decay != 0, MOMENTUM=mode,
+                NESTEROV=bool(a.nesterov) and has_momentum, MASTER=bool(a.master_params), ALIGNED=table.aligned,
                 num_warps=num_warps, enable_fp_fusion=False,
             )  # fmt: skip

@@ -10,16 +10,33 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from fastops import _backend  # noqa: E402
+from tests.devices import CPU_BACKENDS, KERNEL_PAIRS, PAIRS  # noqa: E402
 # The claims ledger's hooks (tests/claims.py): what ran on which device, the cuda mark on every GPU case.
 from tests.claims import (  # noqa: E402,F401
     pytest_collection_modifyitems, pytest_configure, pytest_deselected, pytest_make_collect_report,
     pytest_runtest_logreport)
 
-CPU_BACKENDS = ("cpp", "triton", "reference")
+
+def _serve(device: str, backend: str):
+    """``device``'s tensors served by ``backend`` inside the test. A backend that fails to load fails the test."""
+    with _backend.use(device, backend):
+        yield device, backend
 
 
 @pytest.fixture(params=CPU_BACKENDS)
 def cpu_backend(request):
-    """Serve CPU tensors with each CPU backend in turn. A backend that fails to load fails the test."""
+    """Serve CPU tensors with each CPU backend in turn."""
     with _backend.use("cpu", request.param):
         yield request.param
+
+
+@pytest.fixture(params=[pytest.param(tuple(p.values), id=p.id, marks=p.marks) for p in PAIRS])
+def device_backend(request):
+    """(device, backend) over every pair of tests/devices.py."""
+    yield from _serve(*request.param)
+
+
+@pytest.fixture(params=[pytest.param(tuple(p.values), id=p.id, marks=p.marks) for p in KERNEL_PAIRS])
+def kernel_backend(request):
+    """(device, backend) over every pair but the CPU reference: for tests against fastops.reference."""
+    yield from _serve(*request.param)

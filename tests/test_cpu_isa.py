@@ -35,7 +35,9 @@ WORKER = r"""
 import sys, torch
 import fastops
 from fastops import _backend, _quant, reference
-from tests.test_lowp_ops import lowp_inputs, _clone, _assert_step_matches
+from fastops._specs.adam_lowp import inputs as lowp_inputs
+from tests.devices import clone as _clone
+from tests.test_lowp_ops import assert_step_matches as _assert_step_matches
 
 level, out = sys.argv[1], sys.argv[2]
 assert fastops._C.cpu_capability() == level, (fastops._C.cpu_capability(), level)
@@ -68,9 +70,8 @@ def edge_case(scale):
     g[n + 256 :] = vals[:77]
     g = g * scale
     args = lowp_inputs([g.numel(), 300], gen_seed=3)
-    args[1] = [g, torch.randn(300, generator=torch.Generator().manual_seed(1)) * 1e-2]
-    args[9], args[10] = 0.0, 0.0
-    return args
+    return args._replace(grads=[g, torch.randn(300, generator=torch.Generator().manual_seed(1)) * 1e-2], beta1=0.0,
+                         beta2=0.0)
 
 
 cases = [edge_case(1.0), edge_case(3.7e-3), edge_case(2.0**-70), lowp_inputs([4096, 1000, 257, 31]),
@@ -81,7 +82,7 @@ for want in cases:
     reference.adam_step_lowp_(*want)
     cpp.adam_step_lowp_(*got)
     _assert_step_matches(got, want)  # codes, absmax, steps bit for bit; params as test_lowp_ops argues
-    outs.append([got[k] for k in (0, 2, 3, 4, 5)])
+    outs.append([getattr(got, k) for k in ("params", "exp_avgs", "exp_avg_sqs", "exp_avg_absmax", "exp_avg_sq_absmax")])
 torch.save(outs, out)
 """
 

@@ -1,20 +1,20 @@
 """fastops.optim.Adam/AdamW with 8-bit blockwise and bf16 optimizer states (``state_dtype``), every CPU backend:
-parity with torch's fp32 AdamW, determinism, skips, state_dict conversions, per-group exclusions, GradScaler and
-clip, torch.compile. The formats themselves are tested in test_quant.py, the op against the reference in
-test_ops.py."""
+parity with torch's fp32 AdamW, determinism, skips, GradScaler and clip, torch.compile. The state dicts and the
+per-group formats: test_lowp_state_dict.py; the formats themselves: test_quant.py; the op against the reference:
+test_lowp_ops.py."""
 
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import torch
 
 import fastops
 from fastops import _backend, _quant, optim
+from fastops._specs import SPECS
 
-MODES = ("bf16", "8bit")
+FORMATS = ("bf16", "8bit")
 STEPS = 100
 LR = 1e-2
 # Two params under MIN_8BIT_NUMEL (fp32 states under "8bit"), two over it, one of them not a multiple of 256.
@@ -23,9 +23,9 @@ SIZES = (3, 1023, 4097, 5000)
 
 # The many-step tests run on the C++ and reference backends. Under the Triton interpreter one step of these sizes
 # takes about 1 s on 2 cores (the 100-step parity runs took 110-126 s each, the Triton cases of this file 860 s:
-# half of CI). The Triton kernel is held to the reference op by op (test_triton_lowp.py) and over optimizer steps
-# by test_triton_follows_the_reference_over_steps below; the light tests here (one step, skipped step, state
-# dicts) still run it through the optimizer.
+# half of CI). The Triton kernel is held to the reference op by op (test_lowp_ops.py) and over optimizer steps
+# by test_triton_follows_the_reference_over_steps below; the light tests here (one step, skipped step) and the state
+# dict tests (test_lowp_state_dict.py) still run it through the optimizer.
 @pytest.fixture(params=("cpp", "reference"))
 def native_backend(request):
     with _backend.use("cpu", request.param):
@@ -92,18 +92,18 @@ def _assert_same(a, b):
 PARITY_TOL = {"bf16": (1.5e-2, 2e-2), "8bit": (6e-2, 1.6e-1)}
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("algo,wd", [("AdamW", 0.1), ("Adam", 0.0), ("Adam", 0.1)])
-def test_parity_with_torch_fp32_many_steps(native_backend, mode, algo, wd):
+def test_parity_with_torch_fp32_many_steps(native_backend, fmt, algo, wd):
     mine, theirs = _params(1), _params(1)
     init = [p.detach().clone() for p in theirs]
-    opt = getattr(fastops.optim, algo)(mine, lr=LR, weight_decay=wd, state_dtype=mode)
+    opt = getattr(fastops.optim, algo)(mine, lr=LR, weight_decay=wd, state_dtype=fmt)
     ref = getattr(torch.optim, algo)(theirs, lr=LR, weight_decay=wd, foreach=False)
     _run(opt, mine)
     _run(ref, theirs)
-    norm_tol, max_tol = PARITY_TOL[mode]
+    norm_tol, max_tol = PARITY_TOL[fmt]
     for a, b, i in zip(mine, theirs, init):
-        if mode == "8bit" and a.numel() < _quant.MIN_8BIT_NUMEL:
+        if fmt == "8bit" and a.numel() < _quant.MIN_8BIT_NUMEL:
             assert opt.state[a]["exp_avg"].dtype == torch.float32
             if native_backend == "reference":
                 assert torch.equal(a, b)
@@ -114,13 +114,13 @@ def test_parity_with_torch_fp32_many_steps(native_backend, mode, algo, wd):
         assert opt.state[a]["step"].item() == STEPS
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_one_step_states_are_within_one_rounding(cpu_backend, mode):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_one_step_states_are_within_one_rounding(cpu_backend, fmt):
     """From the same fp32 moments, one lowp step leaves moments that decode to torch's within one rounding of the
     format: half the widest gap of the dynamic map at the block's absmax (0.9/128 of it) for 8-bit, one bf16 ulp
     (2**-7 relative, stochastic rounding picks one of the two neighbours) for bf16."""
     mine, theirs = _params(2, (5000,)), _params(2, (5000,))
-    opt = fastops.optim.AdamW(mine, lr=LR, state_dtype=mode)
+    opt = fastops.optim.AdamW(mine, lr=LR, state_dtype=fmt)
     ref = torch.optim.AdamW(theirs, lr=LR, foreach=False)
     _run(ref, theirs, steps=3)
     # (deepcopy: a loaded state_dict's step tensors are the saver's own, in torch as here)
@@ -135,7 +135,7 @@ def test_one_step_states_are_within_one_rounding(cpu_backend, mode):
     m, v = optim.moments_fp32(opt.state[mine[0]])
     want_m, want_v = ref.state[theirs[0]]["exp_avg"], ref.state[theirs[0]]["exp_avg_sq"]
     for got, want, signed in ((m, want_m, True), (v, want_v, False)):
-        if mode == "8bit":
+        if fmt == "8bit":
             absmax = want.abs().view(-1)
             absmax = torch.nn.functional.pad(absmax, (0, (-absmax.numel()) % 256)).view(-1, 256).amax(1)
             bound = absmax.repeat_interleave(256)[: want.numel()] * (0.9 / 128) * (1 + 1e-5)
@@ -146,30 +146,30 @@ def test_one_step_states_are_within_one_rounding(cpu_backend, mode):
     torch.testing.assert_close(mine[0], theirs[0], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_bitwise_deterministic_for_a_seed(native_backend, mode):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bitwise_deterministic_for_a_seed(native_backend, fmt):
     runs = []
     for seed in (5, 5, 6):
         params = _params(3)
-        opt = fastops.optim.AdamW(params, lr=LR, state_dtype=mode, state_seed=seed)
+        opt = fastops.optim.AdamW(params, lr=LR, state_dtype=fmt, state_seed=seed)
         _run(opt, params, steps=20)
         runs.append(_snapshot(opt, params))
     _assert_same(runs[0], runs[1])
-    if mode == "bf16":  # 8-bit rounds to nearest: the seed changes nothing
+    if fmt == "bf16":  # 8-bit rounds to nearest: the seed changes nothing
         assert not torch.equal(runs[0][1][3]["exp_avg"], runs[2][1][3]["exp_avg"])
     else:
         _assert_same(runs[0], runs[2])
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_independent_of_thread_count(native_backend, mode):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_independent_of_thread_count(native_backend, fmt):
     runs = []
     saved = torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             params = _params(4, (70_000, 4097))
-            opt = fastops.optim.AdamW(params, lr=LR, state_dtype=mode, state_seed=1)
+            opt = fastops.optim.AdamW(params, lr=LR, state_dtype=fmt, state_seed=1)
             _run(opt, params, steps=3)
             runs.append(_snapshot(opt, params))
     finally:
@@ -184,7 +184,7 @@ def test_sr_seed_changes_every_step_and_every_call(monkeypatch):
     real = fastops.optim._ops.adam_step_lowp_
 
     def spy(*args):
-        seeds.append(args[15])
+        seeds.append(SPECS["adam_step_lowp_"].Args(*args).seed)
         return real(*args)
 
     monkeypatch.setattr(fastops.optim._ops, "adam_step_lowp_", spy)
@@ -211,12 +211,12 @@ def test_sr_seed_changes_every_step_and_every_call(monkeypatch):
     _assert_same(_snapshot(opt, params), _snapshot(opt3, params3))
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("master", [False, True])
-def test_skipped_step_changes_nothing(cpu_backend, mode, master):
+def test_skipped_step_changes_nothing(cpu_backend, fmt, master):
     dtype = torch.bfloat16 if master else torch.float32
     params = _params(6, dtype=dtype)
-    opt = fastops.optim.AdamW(params, lr=LR, state_dtype=mode, master_weights=master, max_grad_norm=1.0)
+    opt = fastops.optim.AdamW(params, lr=LR, state_dtype=fmt, master_weights=master, max_grad_norm=1.0)
     _run(opt, params, steps=2)
     before = _snapshot(opt, params)
     opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(1.0)
@@ -228,151 +228,13 @@ def test_skipped_step_changes_nothing(cpu_backend, mode, master):
     _assert_same(before, _snapshot(opt, params))
 
 
-def _state_keys(opt, p):
-    return {k: v.dtype for k, v in opt.state[p].items()}
-
-
-def test_groups_exclude_params_and_small_params_stay_fp32():
-    emb, w, norm = (torch.nn.Parameter(torch.randn(n)) for n in (8192, 8192, 64))
-    opt = fastops.optim.AdamW([{"params": [emb], "state_dtype": "fp32"}, {"params": [w, norm]}], state_dtype="8bit")
-    with _backend.use("cpu", "reference"):
-        _run(opt, [emb, w, norm], steps=2)
-    assert _state_keys(opt, emb) == {"step": torch.float32, "exp_avg": torch.float32, "exp_avg_sq": torch.float32}
-    assert _state_keys(opt, norm) == _state_keys(opt, emb)  # under MIN_8BIT_NUMEL
-    assert _state_keys(opt, w) == {"step": torch.float32, "exp_avg": torch.uint8, "exp_avg_sq": torch.uint8,
-                                   "exp_avg_absmax": torch.float32, "exp_avg_sq_absmax": torch.float32}  # fmt: skip
-    assert opt.state[w]["exp_avg_absmax"].shape == (32,)
-    # The other way round: an fp32 optimizer with one 8-bit group.
-    opt = fastops.optim.AdamW([{"params": [emb]}, {"params": [w], "state_dtype": "bf16"}])
-    with _backend.use("cpu", "reference"):
-        _run(opt, [emb, w], steps=1)
-    assert opt.state[emb]["exp_avg"].dtype == torch.float32 and opt.state[w]["exp_avg"].dtype == torch.bfloat16
-    assert "state_dtype" not in opt.state_dict()["param_groups"][0]
-
-
-def test_bad_state_dtype_and_amsgrad_raise():
-    p = torch.nn.Parameter(torch.randn(5000))
-    with pytest.raises(ValueError, match="amsgrad=True needs fp32 states"):
-        fastops.optim.AdamW([p], amsgrad=True, state_dtype="8bit")
-    with pytest.raises(ValueError, match=r"amsgrad=True needs fp32 states"):
-        fastops.optim.Adam([{"params": [p]}, {"params": [torch.nn.Parameter(torch.ones(2))], "state_dtype": "bf16",
-                                              "amsgrad": True}])  # fmt: skip
-    with pytest.raises(ValueError, match="Invalid state_dtype: 'int8'"):
-        fastops.optim.AdamW([p], state_dtype="int8")
-    with pytest.raises(ValueError, match="state_dtype applies to Adam and AdamW"):
-        fastops.optim.SGD([{"params": [p], "state_dtype": "8bit"}])
-    opt = fastops.optim.AdamW([p], state_dtype="8bit")
-    opt.param_groups[0]["amsgrad"] = True
-    p.grad = torch.ones_like(p)
-    with pytest.raises(ValueError, match="amsgrad=True needs fp32 states"):
-        opt.step()
-
-
-def test_fp32_state_dict_has_no_new_keys():
-    """state_dtype="fp32" (the default) writes the state_dict fastops wrote before state_dtype existed: torch's
-    keys plus master_weights and max_grad_norm, and a torch.save of it holds the same bytes whether or not the
-    constructor was given the defaults explicitly."""
-    blobs = []
-    for kw in ({}, {"state_dtype": "fp32", "state_seed": 0}):
-        params = _params(7)
-        opt = fastops.optim.AdamW(params, lr=LR, **kw)
-        with _backend.use("cpu", "reference"):
-            _run(opt, params, steps=2)
-        sd = opt.state_dict()
-        ref = torch.optim.AdamW(_params(7), lr=LR)
-        torch_keys = set(ref.state_dict()["param_groups"][0])
-        assert set(sd["param_groups"][0]) == torch_keys | {"master_weights", "max_grad_norm"}
-        assert set(sd["state"][3]) == {"step", "exp_avg", "exp_avg_sq"}
-        buf = io.BytesIO()
-        torch.save(sd, buf)
-        blobs.append(buf.getvalue())
-    assert blobs[0] == blobs[1]
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_state_dict_round_trip_through_torch(cpu_backend, mode):
-    """fastops lowp -> to_fp32_state_dict -> torch.optim.AdamW -> its state_dict -> fastops lowp again: torch gets
-    the decoded moments, and fastops requantizes them to what it had. bf16 and 8-bit exp_avg_sq (unsigned map, +1.0
-    in it) come back bit for bit; 8-bit exp_avg within one rounding, since the signed map has no -1.0: a block
-    whose largest magnitude is negative decodes to 0.9955 of its absmax, and requantizing rescales the block."""
-    params = _params(8)
-    opt = fastops.optim.AdamW(params, lr=LR, state_dtype=mode)
-    _run(opt, params, steps=5)
-    exported = opt.to_fp32_state_dict()
-    assert "state_dtype" not in exported["param_groups"][0] and "state_dtype" in opt.state_dict()["param_groups"][0]
-    assert opt.state[params[3]]["exp_avg"].dtype != torch.float32  # exporting changes nothing in the optimizer
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    ref = torch.optim.AdamW(twins, lr=LR)
-    ref.load_state_dict(copy.deepcopy(exported))
-    for p, t in zip(params, twins):
-        m, v = optim.moments_fp32(opt.state[p])
-        assert torch.equal(ref.state[t]["exp_avg"], m) and torch.equal(ref.state[t]["exp_avg_sq"], v)
-    back_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    back = fastops.optim.AdamW(back_params, lr=LR, state_dtype=mode)
-    back.load_state_dict(copy.deepcopy(ref.state_dict()))
-    if mode == "bf16":
-        _assert_same(_snapshot(opt, params), _snapshot(back, back_params))
-        return
-    for p, q in zip(params, back_params):
-        a, b = opt.state[p], back.state[q]
-        assert a.keys() == b.keys()
-        for key in ("step", "exp_avg_sq", "exp_avg_sq_absmax"):
-            if key in a:
-                assert torch.equal(a[key], b[key]), key
-        m0, m1 = optim.moments_fp32(a)[0], optim.moments_fp32(b)[0]
-        assert (m1 - m0).abs().max() <= 0.9 / 128 * m0.abs().max() * (1 + 1e-5)
-
-
-@pytest.mark.parametrize("src,dst", [("8bit", "fp32"), ("bf16", "fp32"), ("fp32", "8bit"), ("bf16", "8bit"),
-                                     ("8bit", "bf16"), ("fp32", "bf16")])  # fmt: skip
-def test_switch_state_dtype_by_load(src, dst):
-    """A state_dict of any format loads into an optimizer of any other: the states are converted to the loading
-    optimizer's state_dtype (its group keys win) and training continues from the decoded moments."""
-    params = _params(9)
-    opt = fastops.optim.AdamW(params, lr=LR, state_dtype=src)
-    with _backend.use("cpu", "reference"):
-        _run(opt, params, steps=3)
-    sd = opt.state_dict()
-    other_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    other = fastops.optim.AdamW(other_params, lr=LR, state_dtype=dst)
-    other.load_state_dict(sd)
-    assert other.param_groups[0].get("state_dtype", "fp32") == dst
-    for p, q in zip(params, other_params):
-        fmt = optim._state_format(other.param_groups[0], q)
-        want = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}[fmt]
-        assert other.state[q]["exp_avg"].dtype == want
-        assert ("exp_avg_absmax" in other.state[q]) == (fmt == "8bit")
-        m0, v0 = optim.moments_fp32(opt.state[p])
-        m1, v1 = optim.moments_fp32(other.state[q])
-        if fmt == "fp32":  # widening is exact
-            assert torch.equal(m0, m1) and torch.equal(v0, v1)
-        else:  # one rounding into the format, see test_one_step_states_are_within_one_rounding
-            tol = 2**-8 if fmt == "bf16" else 0.9 / 128
-            assert (m1 - m0).abs().max() <= tol * m0.abs().max() * (1 + 1e-5)
-            assert (v1 - v0).abs().max() <= tol * v0.abs().max() * (1 + 1e-5)
-    with _backend.use("cpu", "reference"):
-        _run(other, other_params, steps=2, start=3)
-    assert all(other.state[q]["step"].item() == 5 for q in other_params)
-
-
-def test_changing_the_group_key_between_steps_converts():
-    params = _params(10)
-    opt = fastops.optim.AdamW(params, lr=LR)
-    with _backend.use("cpu", "reference"):
-        _run(opt, params, steps=2)
-        opt.param_groups[0]["state_dtype"] = "8bit"
-        _run(opt, params, steps=1, start=2)
-    assert opt.state[params[3]]["exp_avg"].dtype == torch.uint8
-    assert opt.state[params[0]]["exp_avg"].dtype == torch.float32
-
-
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("scaler_kind", ["fastops", "torch"])
-def test_grad_scaler_and_clip(native_backend, mode, scaler_kind):
+def test_grad_scaler_and_clip(native_backend, fmt, scaler_kind):
     """A GradScaler (with inf/nan steps) and the folded clip on lowp states follow the same run on fp32 states: the
     same skipped steps, the same step counts, params within the parity bounds."""
     results = []
-    for state_dtype in ("fp32", mode):
+    for state_dtype in ("fp32", fmt):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 8))
         init = [p.detach().clone() for p in model.parameters()]
@@ -396,16 +258,16 @@ def test_grad_scaler_and_clip(native_backend, mode, scaler_kind):
                         [opt.state[p]["step"].item() for p in model.parameters()]))  # fmt: skip
     (pa, init, sa, ca, ka), (pb, _, sb, cb, kb) = results
     assert sa == sb and sa[4] and sa[9] and sum(sa) == 2 and ca == cb and ka == kb == [28.0] * 4
-    norm_tol, _ = PARITY_TOL[mode]
+    norm_tol, _ = PARITY_TOL[fmt]
     for a, b, i in zip(pa, pb, init):
         assert (a - b).norm() / (a - i).norm() <= norm_tol
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_master_weights_and_tensor_lr(native_backend, mode):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_master_weights_and_tensor_lr(native_backend, fmt):
     """bf16 params with fp32 masters and a Tensor lr changed in place: lowp states follow fp32 states."""
     results = []
-    for state_dtype in ("fp32", mode):
+    for state_dtype in ("fp32", fmt):
         params = _params(11, dtype=torch.bfloat16)
         init = [p.detach().float() for p in params]
         lr = torch.tensor(LR)
@@ -414,18 +276,19 @@ def test_master_weights_and_tensor_lr(native_backend, mode):
         lr.fill_(LR / 2)
         _run(opt, params, steps=30, start=30)
         results.append([opt.state[p]["master_param"].clone() for p in params])
-    norm_tol, _ = PARITY_TOL[mode]
+    norm_tol, _ = PARITY_TOL[fmt]
     for a, b, i in zip(*results, init):
         assert (a - b).norm() / (a - i).norm() <= norm_tol
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("master", [False, True])
-def test_triton_follows_the_reference_over_steps(mode, master):
+def test_triton_follows_the_reference_over_steps(fmt, master):
     """The Triton backend through the optimizer for 6 AdamW steps (a Tensor lr changed in place, a step skipped by
     found_inf) against the reference backend from the same start and seed: the same 8-bit codes, absmax and bf16
     states bit for bit (AdamW's moments depend on the grads only, and the seeds of the stochastic rounding are the
-    optimizer's), the same step counts, params within fp32 rounding (1e-6 of the largest element; one step is within one ulp, test_triton_lowp.py).
+    optimizer's), the same step counts, params within fp32 rounding (1e-6 of the largest element; one step is within
+    one ulp, test_lowp_ops.py).
     max_grad_norm is set but never clips: an active clip scales the grads by a coefficient whose norm each backend
     sums in its own order (ulps apart), and the moments would differ by that."""
     runs = []
@@ -433,7 +296,7 @@ def test_triton_follows_the_reference_over_steps(mode, master):
         dtype = torch.bfloat16 if master else torch.float32
         params = _params(13, dtype=dtype)
         lr = torch.tensor(LR)
-        opt = fastops.optim.AdamW(params, lr=lr, weight_decay=0.1, state_dtype=mode, state_seed=3,
+        opt = fastops.optim.AdamW(params, lr=lr, weight_decay=0.1, state_dtype=fmt, state_seed=3,
                                   master_weights=master, max_grad_norm=1e6)  # fmt: skip
         with _backend.use("cpu", backend):
             _run(opt, params, steps=3)
@@ -450,7 +313,7 @@ def test_triton_follows_the_reference_over_steps(mode, master):
         for k in x:
             if k == "master_param":
                 torch.testing.assert_close(x[k], y[k], rtol=0, atol=1e-6 * float(y[k].abs().max()))
-            elif p.numel() >= _quant.MIN_8BIT_NUMEL or mode == "bf16":
+            elif p.numel() >= _quant.MIN_8BIT_NUMEL or fmt == "bf16":
                 assert x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]), k
             else:  # fp32 states of the small params: adam_step_'s kernels, within fp32 rounding of the largest
                 torch.testing.assert_close(x[k], y[k], rtol=0, atol=1e-6 * float(y[k].abs().max()))
@@ -461,9 +324,9 @@ def test_triton_follows_the_reference_over_steps(mode, master):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6 * float(b.abs().max()))
 
 
-def _compiled_run(mode, compiled, steps=4, fullgraph=True):
+def _compiled_run(fmt, compiled, steps=4, fullgraph=True):
     params = _params(12, (5000, 300))
-    opt = fastops.optim.AdamW(params, lr=LR, state_dtype=mode, max_grad_norm=1.0)
+    opt = fastops.optim.AdamW(params, lr=LR, state_dtype=fmt, max_grad_norm=1.0)
     step = torch.compile(opt.step, backend="aot_eager", fullgraph=fullgraph) if compiled else opt.step
     for s in range(steps):
         for p, g in zip(params, _grads(s, params)):
@@ -472,8 +335,8 @@ def _compiled_run(mode, compiled, steps=4, fullgraph=True):
     return _snapshot(opt, params)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_compiled_step_matches_eager_without_recompiles(mode, monkeypatch):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_compiled_step_matches_eager_without_recompiles(fmt, monkeypatch):
     """fullgraph=True; the bf16 seed is a graph input (with capture_scalar_outputs), so steps 2-4 share one graph
     and draw the eager run's bits."""
     from torch._dynamo.testing import CompileCounter
@@ -481,10 +344,10 @@ def test_compiled_step_matches_eager_without_recompiles(mode, monkeypatch):
     _fresh_dynamo()
     monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
     with _backend.use("cpu", "reference"):
-        eager = _compiled_run(mode, compiled=False)
+        eager = _compiled_run(fmt, compiled=False)
         counter = CompileCounter()
         params = _params(12, (5000, 300))
-        opt = fastops.optim.AdamW(params, lr=LR, state_dtype=mode, max_grad_norm=1.0)
+        opt = fastops.optim.AdamW(params, lr=LR, state_dtype=fmt, max_grad_norm=1.0)
         step = torch.compile(opt.step, backend=counter, fullgraph=True)
         for s in range(4):
             for p, g in zip(params, _grads(s, params)):

@@ -1,100 +1,65 @@
 // fastops.adam_step_lowp_ on the CPU: adam.cpp's host side (step counters, bias corrections) over
 // states kept as 8-bit blockwise codes or stochastically rounded bf16 (fastops/_quant.py defines both bit
 // for bit); kernels_isa.h decodes, updates and re-encodes each block of 256 elements in one pass.
-#include <cmath>
+#include <algorithm>
 
 #include <c10/util/Exception.h>
 
 #include "cpu/host.h"
 #include "cpu/kernels.h"
+#include "cuda/codec.cuh"
 #include "fastops.h"
 
 namespace fastops {
 namespace cpu {
 namespace {
 
-// _quant._build: the values in fp64 in the same order of operations, then rounded to fp32.
-QuantMap build_map(bool is_signed) {
+// The maps' fp32 constants as the CUDA kernels hold them (csrc/cuda/qmaps.cuh, generated from fastops/_quant.py),
+// P, F and n padded to 8 lanes (lane 7 is never selected: the decade index is at most 6).
+QuantMap map_of(bool is_signed) {
+  using namespace cuda;
   QuantMap m{};
-  double q[256] = {};
-  double lo[7], hi[7];
-  auto value = [](int i, int n, int j) { return std::pow(10.0, double(i - 6)) * (0.1 + 0.9 * (j + 0.5) / n); };
-  for (int i = 0; i < 7; ++i) {
-    const int n = is_signed ? 1 << i : 1 << (i + 1);
-    for (int j = 0; j < n; ++j) {
-      const double v = value(i, n, j);
-      q[n + j] = v;
-      if (is_signed) q[128 | (n + j)] = -v;
-    }
-    lo[i] = value(i, n, 0);
-    hi[i] = value(i, n, n - 1);
-    m.P[i] = static_cast<float>(std::pow(10.0, double(6 - i)));
-    m.F[i] = static_cast<float>(n / 0.9);
-    m.n[i] = n;
-  }
-  // Lane 7 of P/F/n is never selected (the decade index is at most 6).
+  std::copy_n(is_signed ? kSignedQmap : kUnsignedQmap, 256, m.qmap);
+  std::copy_n(is_signed ? kSignedT : kUnsignedT, 8, m.T);
+  std::copy_n(is_signed ? kSignedP : kUnsignedP, 7, m.P);
+  std::copy_n(is_signed ? kSignedF : kUnsignedF, 7, m.F);
+  for (int i = 0; i < 7; ++i) m.n[i] = is_signed ? 1 << i : 2 << i;
   m.P[7] = m.P[6];
   m.F[7] = m.F[6];
   m.n[7] = m.n[6];
-  if (is_signed) {
-    q[0] = 0.0;
-    q[128] = 1.0;
-  } else {
-    q[0] = 0.0;
-    q[1] = 1.0;
-  }
-  for (int c = 0; c < 256; ++c) m.qmap[c] = static_cast<float>(q[c]);
-  m.T[0] = static_cast<float>(lo[0] / 2);
-  for (int i = 1; i < 7; ++i) m.T[i] = static_cast<float>((hi[i - 1] + lo[i]) / 2);
-  m.T[7] = static_cast<float>((hi[6] + 1.0) / 2);
   return m;
-}
-
-uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  return x ^ (x >> 16);
 }
 
 }  // namespace
 
 const QuantMap& quant_map(bool is_signed) {
-  static const QuantMap s = build_map(true), u = build_map(false);
+  static const QuantMap s = map_of(true), u = map_of(false);
   return is_signed ? s : u;
 }
 
 uint32_t sr_key(int64_t seed, int64_t index) {
-  return mix32(static_cast<uint32_t>(seed) ^ mix32(static_cast<uint32_t>(index + 0x9E3779B9LL)));
+  return cuda::detail::sr_key(static_cast<uint32_t>(seed), index);  // the seed's low 32 bits, as _quant.sr_key
 }
 
-void adam_step_lowp_(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                     const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                     const std::vector<at::Tensor>& exp_avg_absmax, const std::vector<at::Tensor>& exp_avg_sq_absmax,
-                     const std::vector<at::Tensor>& state_steps, const std::vector<at::Tensor>& master_params,
-                     const at::Tensor& lr, double beta1, double beta2, double eps, double weight_decay, bool maximize,
-                     bool decoupled, int64_t seed, const std::optional<at::Tensor>& grad_scale,
-                     const std::optional<at::Tensor>& found_inf) {
-  const size_t n = params.size();
-  if (n == 0) return;
+void adam_step_lowp_(const AdamStepLowpArgs& a) {
+  const size_t n = a.params.size();
+  check_cpu(a.params, "adam_step_lowp_");
+  if (n == 0 || !step_runs(a.found_inf)) return;
+  const double lr = read_scalar(a.lr);
   LowpConsts c{};
-  double lr_v;
-  if (!adam_host_setup("adam_step_lowp_", params, lr, beta1, beta2, eps, weight_decay, maximize, decoupled,
-                       grad_scale, found_inf, c.adam, lr_v)) {
-    return;
-  }
-  c.eight_bit = exp_avgs[0].scalar_type() == at::kByte;
+  c.adam = adam_consts(a, lr);
+  c.format = *state_format(a.exp_avgs);  // 8-bit or bf16: the op's check
+  const bool eight_bit = c.format == StateFormat::kEightBit;
 
   std::vector<LowpTensor> work(n);
   for (size_t i = 0; i < n; ++i) {
     LowpTensor& w = work[i];
-    adam_tensor(w, i, params, grads, master_params, state_steps, lr_v, beta1, beta2);
-    w.exp_avg = exp_avgs[i].data_ptr();
-    w.exp_avg_sq = exp_avg_sqs[i].data_ptr();
-    w.exp_avg_absmax = c.eight_bit ? static_cast<float*>(exp_avg_absmax[i].data_ptr()) : nullptr;
-    w.exp_avg_sq_absmax = c.eight_bit ? static_cast<float*>(exp_avg_sq_absmax[i].data_ptr()) : nullptr;
-    w.sr_key = sr_key(seed, static_cast<int64_t>(i));
+    adam_tensor(w, i, a, lr);
+    w.exp_avg = a.exp_avgs[i].data_ptr();
+    w.exp_avg_sq = a.exp_avg_sqs[i].data_ptr();
+    w.exp_avg_absmax = eight_bit ? static_cast<float*>(a.exp_avg_absmax[i].data_ptr()) : nullptr;
+    w.exp_avg_sq_absmax = eight_bit ? static_cast<float*>(a.exp_avg_sq_absmax[i].data_ptr()) : nullptr;
+    w.sr_key = sr_key(a.seed, static_cast<int64_t>(i));
   }
 
   const KernelTable& k = kernels();

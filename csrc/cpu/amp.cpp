@@ -14,19 +14,11 @@
 namespace fastops {
 namespace cpu {
 
-namespace {
-
-void check_cpu(const std::vector<at::Tensor>& grads, const char* op) {
-  TORCH_CHECK(grads[0].is_cpu(), "fastops.", op, " (C++ CPU backend): grads[0] is on ", grads[0].device().str(),
-              "; these kernels take CPU tensors");
-}
-
-}  // namespace
-
-void unscale_check_(const std::vector<at::Tensor>& grads, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
-  if (grads.empty()) return;
+void unscale_check_(const UnscaleCheckArgs& a) {
+  const TensorList& grads = a.grads;
   check_cpu(grads, "unscale_check_");
-  const float inv = static_cast<float>(read_scalar(inv_scale));
+  if (grads.empty()) return;
+  const float inv = static_cast<float>(read_scalar(a.inv_scale));
   // x * 1.0f == x for every non-nan x (and nan stays nan), so a unit scale only needs the check: one read
   // instead of a read and a write.
   const bool write = inv != 1.0f;
@@ -48,16 +40,13 @@ void unscale_check_(const std::vector<at::Tensor>& grads, const at::Tensor& foun
     });
     if (bad) any.store(true, std::memory_order_relaxed);
   });
-  if (any.load()) found_inf.fill_(1.0);
+  if (any.load()) a.found_inf.fill_(1.0);
 }
 
-at::Tensor grad_stats(const std::vector<at::Tensor>& grads, const std::optional<at::Tensor>& inv_scale) {
-  TORCH_CHECK(!grads.empty(), "fastops.grad_stats: needs at least one tensor");
+at::Tensor grad_stats(const GradStatsArgs& a) {
+  const TensorList& grads = a.grads;
   check_cpu(grads, "grad_stats");
-  float inv = 1.0f;
-  if (inv_scale.has_value()) {
-    inv = static_cast<float>(read_scalar(*inv_scale));
-  }
+  const float inv = a.inv_scale.has_value() ? static_cast<float>(read_scalar(*a.inv_scale)) : 1.0f;
   const size_t n = grads.size();
   std::vector<const void*> ptrs(n);
   std::vector<Dtype> dts(n);

@@ -1,13 +1,16 @@
-// TORCH_CHECK versions of fastops/_checks.py. The messages spell shapes, strides, dtypes and devices the
-// way Python prints them ("(4,)", "torch.float32", "cuda:0"); they are built only when a check fails.
+// The ops' argument checks, check(const <Op>Args&) of csrc/generated/op_args.h: fastops/_checks.py's conditions in its
+// order with its messages (tests/test_bad_input.py holds both to the specs' messages). The generated bindings run
+// them in the call that runs the kernel, or alone for the backends written in Python (fastops._C.checks). The messages
+// spell shapes, strides, dtypes and devices the way Python prints them ("(4,)", "torch.float32", "cuda:0"); they are
+// built only when a check fails.
 #include <cctype>
 #include <initializer_list>
+#include <utility>
 #include <optional>
 #include <sstream>
 #include <string>
 
 #include <c10/util/Exception.h>
-#include <torch/library.h>
 
 #include "fastops.h"
 
@@ -89,27 +92,34 @@ inline bool dense_fast(const at::Tensor& t) {
 
 struct Named {
   const char* name;
-  const std::vector<at::Tensor>* list;  // null: not part of this call (amsgrad off, no master params)
-  bool fp32_state;                      // one fp32 tensor per param, shaped and strided like it
+  const TensorList* list;  // null: not part of this call (amsgrad off, no master params)
+  bool fp32_state;         // one fp32 tensor per param, shaped and strided like it
 };
 
-// _checks._check_per_param: the list lengths, then per param its dtype and device, its grad, its fp32 states.
-void check_per_param(const char* op, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                     std::initializer_list<Named> lists) {
+// _checks._floats: every tensor of ts dense, of a float dtype, and on ts[0]'s device.
+void check_floats(const TensorList& ts, const char* name, const char* op) {
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const at::Tensor& t = ts[i];
+    // check_dense builds its `what` string eagerly; skip it on the fast path.
+    if (!dense_fast(t)) check_dense(t, indexed(name, i));
+    TORCH_CHECK(is_float(t.scalar_type()), "fastops.", op, ": ", name, "[", i, "] has dtype ",
+                py_dtype(t.scalar_type()), "; expected float32, bfloat16 or float16");
+    TORCH_CHECK(t.device() == ts[0].device(), "fastops.", op, ": ", name, "[", i, "] is on ", t.device().str(), " but ",
+                name, "[0] is on ", ts[0].device().str());
+  }
+}
+
+// _checks._per_param: the list lengths, the params, then per param its grad and its fp32 states.
+void per_param(const char* op, const TensorList& params, const TensorList& grads, std::initializer_list<Named> lists) {
   const size_t n = params.size();
   for (const auto& l : lists) {
     if (l.list == nullptr) continue;
     TORCH_CHECK(l.list->size() == n, "fastops.", op, ": expected ", n, " ", l.name, " (one per param), got ",
                 l.list->size());
   }
+  check_floats(params, "params", op);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
-    // check_dense builds its `what` string eagerly; skip it on the fast path.
-    if (!dense_fast(p)) check_dense(p, indexed("params", i));
-    TORCH_CHECK(is_float(p.scalar_type()), "fastops.", op, ": params[", i, "] has dtype ", py_dtype(p.scalar_type()),
-                "; expected float32, bfloat16 or float16");
-    TORCH_CHECK(p.device() == params[0].device(), "fastops.", op, ": params[", i, "] is on ", p.device().str(),
-                " but params[0] is on ", params[0].device().str());
     const at::Tensor& g = grads[i];
     if (!dense_fast(g)) check_dense(g, indexed("grads", i));
     check_like(g, p, "grads", i, "params", at::ScalarType::Undefined);
@@ -119,98 +129,19 @@ void check_per_param(const char* op, const std::vector<at::Tensor>& params, cons
   }
 }
 
-}  // namespace
-
-void check_adam_args(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                     const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                     const std::vector<at::Tensor>& max_exp_avg_sqs, const std::vector<at::Tensor>& state_steps,
-                     const std::vector<at::Tensor>& master_params, bool amsgrad) {
-  TORCH_CHECK(amsgrad || max_exp_avg_sqs.empty(),
-              "fastops.adam_step_: max_exp_avg_sqs must be empty when amsgrad=False");
-  // Same order as the dict in _checks.check_adam_args.
-  check_per_param("adam_step_", params, grads,
-                  {{"grads", &grads, false},
-                   {"exp_avgs", &exp_avgs, true},
-                   {"exp_avg_sqs", &exp_avg_sqs, true},
-                   {"state_steps", &state_steps, false},
-                   {"max_exp_avg_sqs", amsgrad ? &max_exp_avg_sqs : nullptr, true},
-                   {"master_params", master_params.empty() ? nullptr : &master_params, true}});
-  for (size_t i = 0; i < state_steps.size(); ++i) {
-    const at::Tensor& s = state_steps[i];
-    TORCH_CHECK(s.numel() == 1 && s.scalar_type() == at::kFloat, "fastops.adam_step_: state_steps[", i,
+// _checks._steps: one float32 element each, on the params' device (the kernels bump and read them there).
+void check_steps(const char* op, const TensorList& steps, const TensorList& params) {
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const at::Tensor& s = steps[i];
+    TORCH_CHECK(s.numel() == 1 && s.scalar_type() == at::kFloat, "fastops.", op, ": state_steps[", i,
                 "] must be a float32 tensor with one element");
+    TORCH_CHECK(s.device() == params[0].device(), "fastops.", op, ": state_steps[", i, "] is on ", s.device().str(),
+                " but params[0] is on ", params[0].device().str(),
+                "; the kernels read each step on the params' device");
   }
 }
 
-void check_adam_lowp_args(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                          const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
-                          const std::vector<at::Tensor>& exp_avg_absmax, const std::vector<at::Tensor>& exp_avg_sq_absmax,
-                          const std::vector<at::Tensor>& state_steps, const std::vector<at::Tensor>& master_params) {
-  constexpr const char* op = "fastops.adam_step_lowp_";
-  // Same order as the dict in _checks.check_adam_lowp_args; only the master weights are fp32 like the param.
-  check_per_param("adam_step_lowp_", params, grads,
-                  {{"grads", &grads, false},
-                   {"exp_avgs", &exp_avgs, false},
-                   {"exp_avg_sqs", &exp_avg_sqs, false},
-                   {"state_steps", &state_steps, false},
-                   {"master_params", master_params.empty() ? nullptr : &master_params, true}});
-  const at::ScalarType state_dtype = exp_avgs.empty() ? at::kByte : exp_avgs[0].scalar_type();
-  TORCH_CHECK(state_dtype == at::kByte || state_dtype == at::kBFloat16, op, ": exp_avgs[0] has dtype ",
-              py_dtype(state_dtype), "; expected uint8 (8-bit states) or bfloat16");
-  const bool eight_bit = state_dtype == at::kByte;
-  const std::string prefix = std::string(op) + ": ";
-  for (size_t i = 0; i < exp_avgs.size(); ++i)
-    check_like(exp_avgs[i], params[i], "exp_avgs", i, "params", state_dtype, prefix.c_str());
-  for (size_t i = 0; i < exp_avg_sqs.size(); ++i)
-    check_like(exp_avg_sqs[i], params[i], "exp_avg_sqs", i, "params", state_dtype, prefix.c_str());
-  for (size_t i = 0; i < state_steps.size(); ++i) {
-    const at::Tensor& s = state_steps[i];
-    TORCH_CHECK(s.numel() == 1 && s.scalar_type() == at::kFloat, op, ": state_steps[", i,
-                "] must be a float32 tensor with one element");
-  }
-  for (const auto& [name, lst] : {std::pair{"exp_avg_absmax", &exp_avg_absmax},
-                                  std::pair{"exp_avg_sq_absmax", &exp_avg_sq_absmax}}) {
-    if (!eight_bit) {
-      TORCH_CHECK(lst->empty(), op, ": ", name, " must be empty with bfloat16 states");
-      continue;
-    }
-    TORCH_CHECK(lst->size() == params.size(), op, ": expected ", params.size(), " ", name,
-                " (one per param), got ", lst->size());
-    for (size_t i = 0; i < lst->size(); ++i) {
-      const at::Tensor& a = (*lst)[i];
-      const int64_t blocks = (params[i].numel() + 255) / 256;
-      TORCH_CHECK(a.scalar_type() == at::kFloat && a.device() == params[i].device() && a.dim() == 1 &&
-                      a.numel() == blocks && a.is_contiguous(),
-                  op, ": ", name, "[", i, "] must be a contiguous 1-D float32 tensor of ", blocks,
-                  " elements (one per 256 of params[", i, "]) on ", params[i].device().str(), ", got ",
-                  py_dtype(a.scalar_type()), " of shape ", py_tuple(a.sizes()), " on ", a.device().str());
-    }
-  }
-}
-
-void check_sgd_args(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                    const std::vector<at::Tensor>& momentum_buffers, const std::vector<at::Tensor>& master_params,
-                    double momentum) {
-  TORCH_CHECK(momentum != 0 || momentum_buffers.empty(),
-              "fastops.sgd_step_: momentum_buffers must be empty when momentum=0");
-  // Same order as the dict in _checks.check_sgd_args.
-  check_per_param("sgd_step_", params, grads,
-                  {{"grads", &grads, false},
-                   {"momentum_buffers", momentum != 0 ? &momentum_buffers : nullptr, true},
-                   {"master_params", master_params.empty() ? nullptr : &master_params, true}});
-}
-
-void check_grads(const std::vector<at::Tensor>& grads, const char* op) {
-  for (size_t i = 0; i < grads.size(); ++i) {
-    const at::Tensor& g = grads[i];
-    if (!dense_fast(g)) check_dense(g, indexed("grads", i));
-    TORCH_CHECK(is_float(g.scalar_type()), "fastops.", op, ": grads[", i, "] has dtype ", py_dtype(g.scalar_type()),
-                "; expected float32, bfloat16 or float16");
-    TORCH_CHECK(g.device() == grads[0].device(), "fastops.", op, ": grads[", i, "] is on ", g.device().str(),
-                " but grads[0] is on ", grads[0].device().str());
-  }
-}
-
+// _checks.check_scalar: a one-element floating tensor on `device` or the CPU (read through a pointer or on the host).
 void check_scalar(const at::Tensor& t, const char* op, const char* what, const at::Device& device) {
   TORCH_CHECK(t.numel() == 1 && at::isFloatingType(t.scalar_type()), "fastops.", op, ": ", what,
               " must be a floating tensor with one element, got ", py_dtype(t.scalar_type()), " of shape ",
@@ -219,71 +150,119 @@ void check_scalar(const at::Tensor& t, const char* op, const char* what, const a
               " but the tensors are on ", device.str(), "; pass it on ", device.str(), " or the CPU");
 }
 
-void check_found_inf(const at::Tensor& found_inf, const char* op, const at::Device& device) {
-  TORCH_CHECK(found_inf.numel() == 1 && found_inf.scalar_type() == at::kFloat && found_inf.device() == device,
-              "fastops.", op, ": found_inf must be one float32 element on ", device.str(),
-              " (the kernel writes it), got ", py_dtype(found_inf.scalar_type()), " of shape ",
-              py_tuple(found_inf.sizes()), " on ", found_inf.device().str());
+void check_scalar(const OptionalTensor& t, const char* op, const char* what, const at::Device& device) {
+  if (t.has_value()) check_scalar(*t, op, what, device);
+}
+
+// _checks._step_scalars: lr, grad_scale and found_inf of an optimizer step.
+template <class Args>
+void check_step_scalars(const char* op, const Args& a) {
+  if (a.params.empty()) return;
+  const at::Device device = a.params[0].device();
+  check_scalar(a.lr, op, "lr", device);
+  check_scalar(a.grad_scale, op, "grad_scale", device);
+  check_scalar(a.found_inf, op, "found_inf", device);
+}
+
+}  // namespace
+
+std::optional<StateFormat> state_format(const TensorList& exp_avgs) {
+  switch (exp_avgs.empty() ? at::kByte : exp_avgs[0].scalar_type()) {
+    case at::kFloat: return StateFormat::kFp32;
+    case at::kBFloat16: return StateFormat::kBf16;
+    case at::kByte: return StateFormat::kEightBit;
+    default: return std::nullopt;
+  }
+}
+
+void check(const AdamStepArgs& a) {
+  constexpr const char* op = "adam_step_";
+  TORCH_CHECK(a.amsgrad || a.max_exp_avg_sqs.empty(),
+              "fastops.adam_step_: max_exp_avg_sqs must be empty when amsgrad=False");
+  // Same order as the dict in _checks.adam_step_.
+  per_param(op, a.params, a.grads,
+            {{"grads", &a.grads, false},
+             {"exp_avgs", &a.exp_avgs, true},
+             {"exp_avg_sqs", &a.exp_avg_sqs, true},
+             {"state_steps", &a.state_steps, false},
+             {"max_exp_avg_sqs", a.amsgrad ? &a.max_exp_avg_sqs : nullptr, true},
+             {"master_params", a.master_params.empty() ? nullptr : &a.master_params, true}});
+  check_steps(op, a.state_steps, a.params);
+  check_step_scalars(op, a);
+}
+
+void check(const AdamStepLowpArgs& a) {
+  constexpr const char* op = "adam_step_lowp_";
+  const std::string prefix = std::string("fastops.") + op + ": ";
+  // Same order as the dict in _checks.adam_step_lowp_; only the master weights are fp32 like the param.
+  per_param(op, a.params, a.grads,
+            {{"grads", &a.grads, false},
+             {"exp_avgs", &a.exp_avgs, false},
+             {"exp_avg_sqs", &a.exp_avg_sqs, false},
+             {"state_steps", &a.state_steps, false},
+             {"master_params", a.master_params.empty() ? nullptr : &a.master_params, true}});
+  const std::optional<StateFormat> format = state_format(a.exp_avgs);
+  TORCH_CHECK(format == StateFormat::kEightBit || format == StateFormat::kBf16, prefix, "exp_avgs[0] has dtype ",
+              py_dtype(a.exp_avgs[0].scalar_type()), "; expected uint8 (8-bit states) or bfloat16");
+  const at::ScalarType dtype = format == StateFormat::kEightBit ? at::kByte : at::kBFloat16;
+  for (const auto& [name, list] : {std::pair{"exp_avgs", &a.exp_avgs}, std::pair{"exp_avg_sqs", &a.exp_avg_sqs}}) {
+    for (size_t i = 0; i < list->size(); ++i) {
+      check_like((*list)[i], a.params[i], name, i, "params", dtype, prefix.c_str());
+    }
+  }
+  check_steps(op, a.state_steps, a.params);
+  for (const auto& [name, list] : {std::pair{"exp_avg_absmax", &a.exp_avg_absmax},
+                                   std::pair{"exp_avg_sq_absmax", &a.exp_avg_sq_absmax}}) {
+    if (format == StateFormat::kBf16) {
+      TORCH_CHECK(list->empty(), prefix, name, " must be empty with bfloat16 states");
+      continue;
+    }
+    TORCH_CHECK(list->size() == a.params.size(), prefix, "expected ", a.params.size(), " ", name,
+                " (one per param), got ", list->size());
+    for (size_t i = 0; i < list->size(); ++i) {
+      const at::Tensor& t = (*list)[i];
+      const at::Tensor& p = a.params[i];
+      const int64_t blocks = (p.numel() + 255) / 256;
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.device() == p.device() && t.dim() == 1 && t.numel() == blocks &&
+                      t.is_contiguous(),
+                  prefix, name, "[", i, "] must be a contiguous 1-D float32 tensor of ", blocks,
+                  " elements (one per 256 of params[", i, "]) on ", p.device().str(), ", got ",
+                  py_dtype(t.scalar_type()), " of shape ", py_tuple(t.sizes()), " on ", t.device().str());
+    }
+  }
+  check_step_scalars(op, a);
+}
+
+void check(const SgdStepArgs& a) {
+  constexpr const char* op = "sgd_step_";
+  TORCH_CHECK(a.momentum != 0 || a.momentum_buffers.empty(),
+              "fastops.sgd_step_: momentum_buffers must be empty when momentum=0");
+  // Same order as the dict in _checks.sgd_step_.
+  per_param(op, a.params, a.grads,
+            {{"grads", &a.grads, false},
+             {"momentum_buffers", a.momentum != 0 ? &a.momentum_buffers : nullptr, true},
+             {"master_params", a.master_params.empty() ? nullptr : &a.master_params, true}});
+  check_step_scalars(op, a);
+}
+
+void check(const UnscaleCheckArgs& a) {
+  constexpr const char* op = "unscale_check_";
+  check_floats(a.grads, "grads", op);
+  if (a.grads.empty()) return;
+  const at::Device device = a.grads[0].device();
+  const at::Tensor& f = a.found_inf;
+  // The kernels write 1.0 into it.
+  TORCH_CHECK(f.numel() == 1 && f.scalar_type() == at::kFloat && f.device() == device, "fastops.", op,
+              ": found_inf must be one float32 element on ", device.str(), " (the kernel writes it), got ",
+              py_dtype(f.scalar_type()), " of shape ", py_tuple(f.sizes()), " on ", f.device().str());
+  check_scalar(a.inv_scale, op, "inv_scale", device);
+}
+
+void check(const GradStatsArgs& a) {
+  constexpr const char* op = "grad_stats";
+  TORCH_CHECK(!a.grads.empty(), "fastops.", op, ": needs at least one tensor");
+  check_floats(a.grads, "grads", op);
+  check_scalar(a.inv_scale, op, "inv_scale", a.grads[0].device());
 }
 
 }  // namespace fastops
-
-// The op-boundary check of each op (fastops/_ops.py's dispatcher kernel calls it when fastops._C loads), with the
-// op's own arguments: the list checks above, then the tensor scalars, in fastops/_specs' order. The float
-// hyperparameters are checked in Python (a few compares). Registered as torch ops, torch.ops.fastops_checks.*.
-namespace {
-using TL = std::vector<at::Tensor>;
-using OptT = std::optional<at::Tensor>;
-
-void check_scalars(const char* op, const TL& params, const at::Tensor& lr, const OptT& grad_scale,
-                   const OptT& found_inf) {
-  if (params.empty()) return;
-  const at::Device device = params[0].device();
-  fastops::check_scalar(lr, op, "lr", device);
-  if (grad_scale.has_value()) fastops::check_scalar(*grad_scale, op, "grad_scale", device);
-  if (found_inf.has_value()) fastops::check_scalar(*found_inf, op, "found_inf", device);
-}
-}  // namespace
-
-TORCH_LIBRARY(fastops_checks, m) {
-  m.def("adam_step_(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, "
-        "Tensor[] max_exp_avg_sqs, Tensor[] state_steps, Tensor[] master_params, Tensor lr, float beta1, "
-        "float beta2, float eps, float weight_decay, bool amsgrad, bool maximize, bool decoupled, "
-        "Tensor? grad_scale, Tensor? found_inf) -> ()",
-        [](const TL& p, const TL& g, const TL& m1, const TL& m2, const TL& mx, const TL& st, const TL& mp,
-           const at::Tensor& lr, double, double, double, double, bool amsgrad, bool, bool, const OptT& gs,
-           const OptT& fi) {
-          fastops::check_adam_args(p, g, m1, m2, mx, st, mp, amsgrad);
-          check_scalars("adam_step_", p, lr, gs, fi);
-        });
-  m.def("adam_step_lowp_(Tensor[] params, Tensor[] grads, Tensor[] exp_avgs, Tensor[] exp_avg_sqs, "
-        "Tensor[] exp_avg_absmax, Tensor[] exp_avg_sq_absmax, Tensor[] state_steps, Tensor[] master_params, "
-        "Tensor lr, float beta1, float beta2, float eps, float weight_decay, bool maximize, bool decoupled, "
-        "SymInt seed, Tensor? grad_scale, Tensor? found_inf) -> ()",
-        [](const TL& p, const TL& g, const TL& m1, const TL& m2, const TL& a1, const TL& a2, const TL& st,
-           const TL& mp, const at::Tensor& lr, double, double, double, double, bool, bool, int64_t, const OptT& gs,
-           const OptT& fi) {
-          fastops::check_adam_lowp_args(p, g, m1, m2, a1, a2, st, mp);
-          check_scalars("adam_step_lowp_", p, lr, gs, fi);
-        });
-  m.def("sgd_step_(Tensor[] params, Tensor[] grads, Tensor[] momentum_buffers, Tensor[] master_params, Tensor lr, "
-        "float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, bool is_first_step, "
-        "Tensor? grad_scale, Tensor? found_inf) -> ()",
-        [](const TL& p, const TL& g, const TL& b, const TL& mp, const at::Tensor& lr, double, double momentum, double,
-           bool, bool, bool, const OptT& gs, const OptT& fi) {
-          fastops::check_sgd_args(p, g, b, mp, momentum);
-          check_scalars("sgd_step_", p, lr, gs, fi);
-        });
-  m.def("unscale_check_(Tensor[] grads, Tensor found_inf, Tensor inv_scale) -> ()",
-        [](const TL& g, const at::Tensor& found_inf, const at::Tensor& inv_scale) {
-          fastops::check_grads(g, "unscale_check_");
-          if (g.empty()) return;
-          fastops::check_found_inf(found_inf, "unscale_check_", g[0].device());
-          fastops::check_scalar(inv_scale, "unscale_check_", "inv_scale", g[0].device());
-        });
-  m.def("grad_stats(Tensor[] grads, Tensor? inv_scale=None) -> ()", [](const TL& g, const OptT& inv_scale) {
-    TORCH_CHECK(!g.empty(), "fastops.grad_stats: needs at least one tensor");
-    fastops::check_grads(g, "grad_stats");
-    if (inv_scale.has_value()) fastops::check_scalar(*inv_scale, "grad_stats", "inv_scale", g[0].device());
-  });
-}

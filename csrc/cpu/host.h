@@ -33,7 +33,7 @@ inline double read_scalar(const at::Tensor& t) {
   return t.item<double>();
 }
 
-inline GradScaling grad_scaling(const std::optional<at::Tensor>& grad_scale, bool maximize) {
+inline GradScaling grad_scaling(const OptionalTensor& grad_scale, bool maximize) {
   GradScaling g{};
   g.has_scale = grad_scale.has_value();
   if (g.has_scale) {
@@ -44,57 +44,52 @@ inline GradScaling grad_scaling(const std::optional<at::Tensor>& grad_scale, boo
   return g;
 }
 
-// The host side of adam_step_ and adam_step_lowp_ before their kernels (the op's dispatcher kernel has checked the
-// arguments, fastops/_ops.py): params on the CPU, found_inf, and the update's constants (amsgrad left false).
-// Returns false when the step is skipped (found_inf set), with nothing written.
-inline bool adam_host_setup(const char* op, const std::vector<at::Tensor>& params, const at::Tensor& lr, double beta1,
-                            double beta2, double eps, double weight_decay, bool maximize, bool decoupled,
-                            const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
-                            AdamConsts& c, double& lr_v) {
-  TORCH_CHECK(params[0].is_cpu(), "fastops.", op, " (C++ CPU backend): params[0] is on ", params[0].device().str(),
-              "; these kernels take CPU tensors");
-  if (found_inf.has_value() && read_scalar(*found_inf) != 0) return false;
-  lr_v = read_scalar(lr);
-  c = AdamConsts{};
-  c.lerp_weight = static_cast<float>(1 - beta1);
+// Whether the tensors of a call are the CPU's: the op's check has held them to one device, and a call that reached
+// this backend with another device's tensors (FASTOPS_BACKEND or a test forcing it) must not run.
+inline void check_cpu(const TensorList& tensors, const char* op) {
+  TORCH_CHECK(tensors.empty() || tensors[0].is_cpu(), "fastops.", op, " (C++ CPU backend): tensors are on ",
+              tensors[0].device().str(), "; these kernels take CPU tensors");
+}
+
+// Whether the step runs: found_inf absent or 0 (a skipped step writes nothing).
+inline bool step_runs(const OptionalTensor& found_inf) {
+  return !found_inf.has_value() || read_scalar(*found_inf) == 0;
+}
+
+// The update's constants of adam_step_ and adam_step_lowp_ (amsgrad left false) at the step's lr.
+template <class Args>
+AdamConsts adam_consts(const Args& a, double lr) {
+  AdamConsts c{};
+  c.lerp_weight = static_cast<float>(1 - a.beta1);
   c.lerp_weight_m1 = c.lerp_weight - 1.0f;
   c.lerp_low = std::abs(c.lerp_weight) < 0.5f;
-  c.beta2 = static_cast<float>(beta2);
-  c.one_minus_beta2 = static_cast<float>(1 - beta2);
-  c.eps = static_cast<float>(eps);
-  c.l2 = weight_decay != 0 && !decoupled;
-  c.weight_decay = static_cast<float>(weight_decay);
-  c.decay = (weight_decay != 0 && decoupled) ? static_cast<float>(1 - lr_v * weight_decay) : 1.0f;
+  c.beta2 = static_cast<float>(a.beta2);
+  c.one_minus_beta2 = static_cast<float>(1 - a.beta2);
+  c.eps = static_cast<float>(a.eps);
+  c.l2 = a.weight_decay != 0 && !a.decoupled;
+  c.weight_decay = static_cast<float>(a.weight_decay);
+  c.decay = (a.weight_decay != 0 && a.decoupled) ? static_cast<float>(1 - lr * a.weight_decay) : 1.0f;
   c.amsgrad = false;
-  c.grad = grad_scaling(grad_scale, maximize);
-  return true;
+  c.grad = grad_scaling(a.grad_scale, a.maximize);
+  return c;
 }
 
 // Tensor i's fields every Adam kernel takes (param, grad, master, numel, dtype), its step counter bumped by one in
 // fp32 (as `step_t += 1`) and the step's -lr / bias_correction1 and sqrt(bias_correction2) from the new value: in fp64
 // and rounded once, with std::pow, the libm pow the reference's Python `beta ** step` calls, so the scalars are the
 // reference's.
-template <class Work>
-void adam_tensor(Work& w, size_t i, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
-                 const std::vector<at::Tensor>& master_params, const std::vector<at::Tensor>& state_steps, double lr,
-                 double beta1, double beta2) {
-  const at::Tensor& st = state_steps[i];
-  double step;
-  if (st.is_cpu()) {
-    float* sp = static_cast<float*>(st.data_ptr());
-    *sp += 1.0f;
-    step = *sp;
-  } else {
-    st.add_(1);
-    step = st.item<double>();
-  }
-  w.neg_step_size = static_cast<float>(-(lr / (1 - std::pow(beta1, step))));
-  w.bc2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(beta2, step)));
-  w.param = params[i].data_ptr();
-  w.grad = grads[i].const_data_ptr();
-  w.master = master_params.empty() ? nullptr : static_cast<float*>(master_params[i].data_ptr());
-  w.numel = params[i].numel();
-  w.dtype = to_dtype(params[i].scalar_type());
+template <class Work, class Args>
+void adam_tensor(Work& w, size_t i, const Args& a, double lr) {
+  // A CPU tensor (the op's check: the params' device).
+  float* step = static_cast<float*>(a.state_steps[i].data_ptr());
+  *step += 1.0f;
+  w.neg_step_size = static_cast<float>(-(lr / (1 - std::pow(a.beta1, double(*step)))));
+  w.bc2_sqrt = static_cast<float>(std::sqrt(1 - std::pow(a.beta2, double(*step))));
+  w.param = a.params[i].data_ptr();
+  w.grad = a.grads[i].const_data_ptr();
+  w.master = a.master_params.empty() ? nullptr : static_cast<float*>(a.master_params[i].data_ptr());
+  w.numel = a.params[i].numel();
+  w.dtype = to_dtype(a.params[i].scalar_type());
 }
 
 // All tensors of a call laid end to end in one index space, each padded to a multiple of kAlign elements

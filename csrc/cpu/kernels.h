@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "state_format.h"
+
 namespace fastops {
 namespace cpu {
 
@@ -70,9 +72,10 @@ struct SgdTensor {
   Dtype dtype;
 };
 
-// Reduction partials of grad_stats over a range: sum of squares of the unscaled grads (fp32 within
-// blocks, blocks added in double) and the largest |x| of the grads as they are, as bits (IEEE order of non-negative floats is integer order, and every
-// inf/nan compares above 0x7f800000 - 1, so the same max gives max|g|, nan propagation and found_inf).
+// Reduction partials of grad_stats over a range: sum of squares of the unscaled grads (fp32 within blocks, blocks
+// added in double) and the largest |x| of the grads as they are, as bits (IEEE order of non-negative floats is integer
+// order, and every inf/nan compares above 0x7f800000 - 1, so the same max gives max|g|, nan propagation and
+// found_inf).
 struct StatsPartial {
   double sumsq;
   uint32_t max_abs_bits;
@@ -91,10 +94,11 @@ struct QuantMap {
 // The two maps (exp_avg's signed, exp_avg_sq's unsigned), built on first use (adam_lowp.cpp).
 const QuantMap& quant_map(bool is_signed);
 
-// Scalars of one adam_step_lowp_ call: adam_step_'s (amsgrad off) and the state format.
+// Scalars of one adam_step_lowp_ call: adam_step_'s (amsgrad off) and the state format (kEightBit or kBf16; the 8-bit
+// maps: quant_map()).
 struct LowpConsts {
   AdamConsts adam;
-  bool eight_bit;  // uint8 codes + absmax, else bf16 with stochastic rounding (maps: quant_map())
+  StateFormat format;
 };
 
 // One tensor of an adam_step_lowp_ call. Ranges handed to the kernel start on a multiple of 256 elements

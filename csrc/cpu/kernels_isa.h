@@ -352,7 +352,7 @@ void adam_lowp_range(const LowpTensor& t, const LowpConsts& c, int64_t lo, int64
   for (int64_t b0 = lo; b0 < hi; b0 += kQBlock) {
     const int64_t n = min64(kQBlock, hi - b0);
     const int64_t blk = b0 / kQBlock;
-    if (c.eight_bit) {
+    if (c.format == StateFormat::kEightBit) {
       decode_block(cm + b0, t.exp_avg_absmax[blk], ts, m, n);
       decode_block(cv + b0, t.exp_avg_sq_absmax[blk], tu, v, n);
     } else {
@@ -365,7 +365,7 @@ void adam_lowp_range(const LowpTensor& t, const LowpConsts& c, int64_t lo, int64
                                                                           nullptr, out, cnt, c.adam,
                                                                           t.neg_step_size, t.bc2_sqrt);
                    });
-    if (c.eight_bit) {
+    if (c.format == StateFormat::kEightBit) {
       const float am = absmax_of(m, n), av = absmax_of(v, n);
       t.exp_avg_absmax[blk] = am;
       t.exp_avg_sq_absmax[blk] = av;

@@ -40,7 +40,8 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(const AdamArgs a) {
     int64_t scalar_from = start;
     if (vec) {
       const int64_t vec_end = start + (end - start) / 4 * 4;
-      for (int64_t i = start + 4 * static_cast<int64_t>(threadIdx.x); i < vec_end; i += 4 * static_cast<int64_t>(blockDim.x)) {
+      for (int64_t i = start + 4 * static_cast<int64_t>(threadIdx.x); i < vec_end;
+           i += 4 * static_cast<int64_t>(blockDim.x)) {
         float pf[4], gf[4], mf[4], vf[4], vmf[4];
         if (MASTER) {
           detail::load4<false>(w + i, pf);
@@ -78,7 +79,11 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(const AdamArgs a) {
 
 }  // namespace
 
-FASTOPS_DEFINE_ADAM_LAUNCHER(adam_step, AdamArgs, adam_kernel, amsgrad, has_master)
+cudaError_t adam_step(ScalarKind kind, const AdamArgs& a, int max_blocks, cudaStream_t stream) {
+  return detail::launch_adam(kind, a, a.amsgrad, a.has_master, max_blocks, stream, [](auto t, auto ams, auto master) {
+    return adam_kernel<typename decltype(t)::type, decltype(ams)::value, decltype(master)::value>;
+  });
+}
 
 }  // namespace cuda
 }  // namespace fastops

@@ -105,7 +105,12 @@ __global__ void __launch_bounds__(kThreads, 1) adam_lowp_kernel(const AdamLowpAr
 
 }  // namespace
 
-FASTOPS_DEFINE_ADAM_LAUNCHER(adam_step_lowp, AdamLowpArgs, adam_lowp_kernel, eight_bit, has_master)
+cudaError_t adam_step_lowp(ScalarKind kind, const AdamLowpArgs& a, int max_blocks, cudaStream_t stream) {
+  const bool eight_bit = a.format == StateFormat::kEightBit;
+  return detail::launch_adam(kind, a, eight_bit, a.has_master, max_blocks, stream, [](auto t, auto eight, auto master) {
+    return adam_lowp_kernel<typename decltype(t)::type, decltype(eight)::value, decltype(master)::value>;
+  });
+}
 
 }  // namespace cuda
 }  // namespace fastops

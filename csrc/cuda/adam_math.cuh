@@ -5,14 +5,15 @@
 // (__f*_rn, __d*_rn): nvcc contracts a * b + c into an FMA wherever it likes (-fmad=true is its default), and the
 // intrinsics keep it from doing so. fmaf stands exactly where torch's own kernels fuse (add with alpha, lerp,
 // addcmul), as in the Triton kernels (kernels/_adam.py).
+//
+// FASTOPS_HOST_DEVICE (__host__ __device__): the CPU build compiles this file for the host too (host_device.h),
+// and the CPU tests run it.
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
-#include <cuda_runtime.h>
-
-#include "kernels.cuh"
+#include "args.h"
+#include "host_device.h"
 
 namespace fastops {
 namespace cuda {
@@ -30,7 +31,7 @@ struct StepScalars {
 // of spills on sm_90); the squarings do not. A 32-bit count: with a 64-bit one the amsgrad kernels took 42 registers
 // on sm_80/sm_90 (2 blocks an SM) instead of 40 (3). An fp32 counter stops counting at 2**24 anyway; the clamp at
 // 2**32 - 256 changes nothing for beta <= 1 - 1e-7, where beta ** step is below 1e-186 either way (1 - it is 1.0).
-__device__ __forceinline__ double pow_int(double beta, float step) {
+FASTOPS_HOST_DEVICE double pow_int(double beta, float step) {
   double r = 1.0;
 #pragma unroll 1
   for (uint32_t n = static_cast<uint32_t>(fminf(step, 4294967040.0f)); n != 0; n >>= 1) {
@@ -47,7 +48,7 @@ __device__ __forceinline__ double pow_int(double beta, float step) {
 // 73-2042. Over 10k sampled steps up to 1.6e7 the fp64 squarings still differ in none. With lr read in the kernel,
 // 1 - lr * weight_decay from an fp32 weight_decay differs in 7 of 10k lrs at weight_decay 0.1 and 29 at 0.3, from
 // the fp64 one in none.
-__device__ __forceinline__ float launch_scalars(const AdamCommonArgs& a, StepScalars& s) {
+FASTOPS_HOST_DEVICE float launch_scalars(const AdamCommonArgs& a, StepScalars& s) {
   const float lr = a.lr_ptr != nullptr ? *a.lr_ptr : a.lr;
   s.decay = a.lr_ptr != nullptr ? static_cast<float>(__dadd_rn(1.0, -__dmul_rn(lr, a.weight_decay64))) : a.decay;
   s.scale = a.grad_scale_ptr != nullptr ? *a.grad_scale_ptr : a.grad_scale;
@@ -55,7 +56,7 @@ __device__ __forceinline__ float launch_scalars(const AdamCommonArgs& a, StepSca
 }
 
 // The bias corrections of a tensor at `step` into s.
-__device__ __forceinline__ void bias_corrections(const AdamCommonArgs& a, float lr, float step, StepScalars& s) {
+FASTOPS_HOST_DEVICE void bias_corrections(const AdamCommonArgs& a, float lr, float step, StepScalars& s) {
   const double bc1 = 1.0 - pow_int(a.beta1_64, step);
   const double bc2 = 1.0 - pow_int(a.beta2_64, step);
   s.neg_step_size = static_cast<float>(-(static_cast<double>(lr) / bc1));
@@ -71,7 +72,7 @@ struct Chunk {
 };
 
 template <int kCols>
-__device__ __forceinline__ Chunk chunk_at(const AdamCommonArgs& a, int64_t c, float lr, StepScalars& s) {
+FASTOPS_HOST_DEVICE Chunk chunk_at(const AdamCommonArgs& a, int64_t c, float lr, StepScalars& s) {
   Chunk k;
   k.row = a.tensors + a.chunks[2 * c] * kCols;
   k.start = a.chunks[2 * c + 1] * kChunkSize;
@@ -83,8 +84,8 @@ __device__ __forceinline__ Chunk chunk_at(const AdamCommonArgs& a, int64_t c, fl
 
 // One element's step. vmax is read and written only with AMSGRAD.
 template <bool AMSGRAD>
-__device__ __forceinline__ void adam_math(float& p, float g, float& m, float& v, float& vmax,
-                                          const AdamCommonArgs& a, const StepScalars& s) {
+FASTOPS_HOST_DEVICE void adam_math(float& p, float g, float& m, float& v, float& vmax, const AdamCommonArgs& a,
+                                       const StepScalars& s) {
   if (a.has_grad_scale) g = __fdiv_rn(g, s.scale);
   if (a.maximize) g = -g;
   if (a.wd_mode == 1) {
@@ -104,29 +105,7 @@ __device__ __forceinline__ void adam_math(float& p, float g, float& m, float& v,
   p = __fadd_rn(p, __fdiv_rn(__fmul_rn(s.neg_step_size, m), denom));
 }
 
-// Launches the kernel `pick(TypeTag<T>, x, y)` gives for kind's storage type T and the flags x and y (each as a
-// std::bool_constant, for the kernel's template arguments); cudaSuccess when there is nothing to do.
-template <class Args, class Pick>
-cudaError_t launch_adam(ScalarKind kind, const Args& a, bool x, bool y, int max_blocks, cudaStream_t stream,
-                        const Pick& pick) {
-  if (a.n_chunks == 0) return cudaSuccess;
-  return launch_for_kind(kind, [&](auto t) {
-    const std::true_type on;
-    const std::false_type off;
-    auto kernel = x ? (y ? pick(t, on, on) : pick(t, on, off)) : (y ? pick(t, off, on) : pick(t, off, off));
-    launch_resident(kernel, a, max_blocks, stream);
-  });
-}
-
 }  // namespace detail
 
-// Defines the launcher `name` (declared in kernels.cuh) of the kernel template `kernel`<T, bool, bool>, its two flags
-// the Args fields `x` and `y`. A macro: a function template cannot be a template argument.
-#define FASTOPS_DEFINE_ADAM_LAUNCHER(name, Args, kernel, x, y)                                              \
-  cudaError_t name(ScalarKind kind, const Args& a, int max_blocks, cudaStream_t stream) {                 \
-    return detail::launch_adam(kind, a, a.x, a.y, max_blocks, stream, [](auto t, auto fx, auto fy) {      \
-      return kernel<typename decltype(t)::type, decltype(fx)::value, decltype(fy)::value>;               \
-    });                                                                                                   \
-  }
 }  // namespace cuda
 }  // namespace fastops

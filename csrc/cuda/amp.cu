@@ -33,7 +33,8 @@ __global__ void __launch_bounds__(kThreads)
     int64_t scalar_from = start;
     if (detail::aligned(g, 4 * sizeof(T))) {
       const int64_t vec_end = start + (end - start) / 4 * 4;
-      for (int64_t i = start + 4 * static_cast<int64_t>(threadIdx.x); i < vec_end; i += 4 * static_cast<int64_t>(blockDim.x)) {
+      for (int64_t i = start + 4 * static_cast<int64_t>(threadIdx.x); i < vec_end;
+           i += 4 * static_cast<int64_t>(blockDim.x)) {
         float x[4];
         detail::load4<false>(g + i, x);
 #pragma unroll
@@ -127,7 +128,8 @@ __global__ void __launch_bounds__(kThreads)
     int64_t scalar_from = start;
     if (detail::aligned(g, 4 * sizeof(T))) {
       const int64_t vec_end = start + (end - start) / 4 * 4;
-      for (int64_t i = start + 4 * static_cast<int64_t>(threadIdx.x); i < vec_end; i += 4 * static_cast<int64_t>(blockDim.x)) {
+      for (int64_t i = start + 4 * static_cast<int64_t>(threadIdx.x); i < vec_end;
+           i += 4 * static_cast<int64_t>(blockDim.x)) {
         float x[4];
         detail::load4<true>(g + i, x);
 #pragma unroll

@@ -1,12 +1,12 @@
 // The low-precision state formats of fastops/_quant.py on CUDA, bit for bit: 8-bit blockwise codes (decoded through
 // the maps of qmaps.cuh, encoded by arithmetic on the map's decades) and bf16 with stochastic rounding.
+// FASTOPS_HOST_DEVICE (__host__ __device__): the CPU build compiles this file for the host too (host_device.h),
+// and the CPU tests run it.
 #pragma once
 
 #include <cstdint>
 
-#include <cuda_runtime.h>
-
-#include "kernels.cuh"
+#include "host_device.h"
 #include "qmaps.cuh"
 
 namespace fastops {
@@ -15,7 +15,7 @@ namespace detail {
 
 // _quant.encode: decade by threshold, fraction by ((a * P) - 0.1) * F - 0.5 rounded half-even, no FMA.
 template <bool SIGNED>
-__device__ __forceinline__ uint8_t encode(float x) {
+FASTOPS_HOST_DEVICE uint8_t encode(float x) {
   const float* T = SIGNED ? kSignedT : kUnsignedT;
   const float* P = SIGNED ? kSignedP : kUnsignedP;
   const float* F = SIGNED ? kSignedF : kUnsignedF;
@@ -41,11 +41,11 @@ __device__ __forceinline__ uint8_t encode(float x) {
 
 // A code's value times its block's absmax.
 template <bool SIGNED>
-__device__ __forceinline__ float decode(uint8_t code, float absmax) {
+FASTOPS_HOST_DEVICE float decode(uint8_t code, float absmax) {
   return __fmul_rn(SIGNED ? kSignedQmap[code] : kUnsignedQmap[code], absmax);
 }
 
-__device__ __forceinline__ uint32_t mix32(uint32_t x) {
+FASTOPS_HOST_DEVICE uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
   x ^= x >> 15;
@@ -54,26 +54,19 @@ __device__ __forceinline__ uint32_t mix32(uint32_t x) {
 }
 
 // _quant.sr_key(seed, index): the tensor's position in the op's lists, not in its dtype group.
-__device__ __forceinline__ uint32_t sr_key(uint32_t seed, int64_t index) {
+FASTOPS_HOST_DEVICE uint32_t sr_key(uint32_t seed, int64_t index) {
   return mix32(seed ^ mix32(static_cast<uint32_t>(index) + 0x9E3779B9u));
 }
 
 // _quant.sr_bits for element i: exp_avg rounds with the low 16 bits, exp_avg_sq with the high 16.
-__device__ __forceinline__ uint32_t sr_bits(uint32_t key, int64_t i) {
+FASTOPS_HOST_DEVICE uint32_t sr_bits(uint32_t key, int64_t i) {
   return mix32(static_cast<uint32_t>(i) ^ key ^ (static_cast<uint32_t>(static_cast<uint64_t>(i) >> 32) * 0x85EBCA6Bu));
 }
 
-__device__ __forceinline__ unsigned short round_bf16_sr(float x, uint32_t r16) {
+FASTOPS_HOST_DEVICE unsigned short round_bf16_sr(float x, uint32_t r16) {
   const uint32_t bits = __float_as_uint(x);
   if (x != x) return 0x7FC0;
   return static_cast<unsigned short>((finite(x) ? bits + r16 : bits) >> 16);
-}
-
-// Max across the warp, nan if any lane holds a nan (torch.amax): a 256-element block's absmax.
-__device__ __forceinline__ float warp_max_nan(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
 }
 
 }  // namespace detail

@@ -1,114 +1,17 @@
-// CUDA kernels of fastops: raw-pointer launchers (adam.cu, adam_lowp.cu, sgd.cu, amp.cu) and the table layout the binding
-// (binding.cpp) fills. Only CUDA headers here, so `nvcc -c` builds the .cu files without torch.
-//
-// Every launcher walks a chunk table, as apex's multi_tensor_apply does: entry c is (tensor index, chunk
-// index), the chunk covering elements [chunk * kChunkSize, min(numel, (chunk + 1) * kChunkSize)) of that
-// tensor, and each tensor's pointers and numel sit in a row of a per-tensor table. Both tables are int64
-// arrays in device memory, so one launch covers any number of tensors, and the binding caches them.
+// CUDA kernels of fastops: raw-pointer launchers (adam.cu, adam_lowp.cu, sgd.cu, amp.cu) over the tables and
+// arguments of args.h, and the device helpers they share. Only CUDA headers here, so `nvcc -c` builds the .cu files
+// without torch.
 #pragma once
 
 #include <cstdint>
 
 #include <cuda_runtime.h>
 
+#include "args.h"
+#include "host_device.h"
+
 namespace fastops {
 namespace cuda {
-
-enum class ScalarKind : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
-
-// 65536 elements a chunk, as apex: a 1B-param model is 15k chunks (a 240 KiB chunk table), and at most
-// one partly filled chunk per tensor.
-constexpr int64_t kChunkSize = 65536;
-// 512 threads x 4 elements a trip: 32 trips per full chunk.
-constexpr int kThreads = 512;
-
-// The columns every Adam per-tensor table starts with (adam_step_ and adam_step_lowp_): an op's own columns
-// follow from kAdamOwn, and numel is last. Absent pointers (master without master params) are 0.
-enum AdamCol : int {
-  kAdamParam = 0,
-  kAdamGrad = 1,
-  kAdamExpAvg = 2,
-  kAdamExpAvgSq = 3,
-  kAdamMaster = 4,
-  kAdamStep = 5,  // float32 step counter, already incremented for this step
-  kAdamOwn = 6,
-};
-
-// adam_step_'s own column: max_exp_avg_sq (0 without amsgrad).
-enum FullCol : int { kAdamMaxExpAvgSq = kAdamOwn, kAdamNumel = kAdamOwn + 1, kAdamCols = kAdamOwn + 2 };
-
-// adam_step_lowp_'s own columns. Absmax pointers are 0 with bf16 states. kLowpIndex: the tensor's position in
-// the op's lists (the stochastic-rounding key's input).
-enum LowpCol : int {
-  kLowpExpAvgAbsmax = kAdamOwn,
-  kLowpExpAvgSqAbsmax = kAdamOwn + 1,
-  kLowpIndex = kAdamOwn + 2,
-  kLowpNumel = kAdamOwn + 3,
-  kLowpCols = kAdamOwn + 4,
-};
-
-// Columns of the SGD per-tensor table. Absent pointers (momentum buffer without momentum, master without
-// master params) are 0.
-enum SgdCol : int { kSgdParam = 0, kSgdGrad = 1, kSgdBuf = 2, kSgdMaster = 3, kSgdNumel = 4, kSgdCols = 5 };
-
-// Columns of the grad table (unscale_check_, grad_stats).
-enum GradCol : int { kGradPtr = 0, kGradNumel = 1, kGradCols = 2 };
-
-// Scalars of one Adam launch, shared by adam_step_ and adam_step_lowp_. Pointers are device fp32 scalars read in
-// the kernel (what CUDA-graph capture needs); nullptr means "use the value field".
-struct AdamCommonArgs {
-  const int64_t* tensors;  // [n_tensors][kAdamCols or kLowpCols]
-  const int64_t* chunks;   // [n_chunks][2]
-  int64_t n_chunks;
-  const float* lr_ptr;
-  float lr;
-  float decay;  // 1 - lr * weight_decay, used when lr_ptr is null
-  const float* grad_scale_ptr;
-  float grad_scale;
-  bool has_grad_scale;
-  const float* found_inf;  // the kernel does nothing when *found_inf != 0; nullptr: never skips
-  float beta2;
-  float one_minus_beta2;  // fp32(1 - beta2 in fp64), as torch passes value=1 - beta2
-  float lerp_weight;      // fp32(1 - beta1)
-  bool lerp_small;        // |lerp_weight| < 0.5: torch.lerp's choice of formula
-  double beta1_64;        // the bias corrections are computed in fp64 (adam_math.cuh)
-  double beta2_64;
-  float eps;
-  float weight_decay;
-  double weight_decay64;  // for 1 - lr * weight_decay when lr is read in the kernel
-  int wd_mode;            // 0 none, 1 L2 (Adam), 2 decoupled (AdamW)
-  bool maximize;
-  bool has_master;
-};
-
-struct AdamArgs : AdamCommonArgs {
-  bool amsgrad;
-};
-
-struct AdamLowpArgs : AdamCommonArgs {
-  bool eight_bit;  // uint8 codes + absmax, else bf16 states
-  uint32_t seed;   // low 32 bits of the op's seed
-};
-
-// Scalars of one SGD launch; pointers as in AdamArgs.
-struct SgdArgs {
-  const int64_t* tensors;  // [n_tensors][kSgdCols]
-  const int64_t* chunks;   // [n_chunks][2]
-  int64_t n_chunks;
-  const float* lr_ptr;
-  float lr;
-  const float* grad_scale_ptr;
-  float grad_scale;
-  bool has_grad_scale;
-  const float* found_inf;  // the kernel does nothing when *found_inf != 0; nullptr: never skips
-  float weight_decay;
-  float momentum;
-  float one_minus_dampening;  // fp32(1 - dampening in fp64), as torch passes alpha=1 - dampening
-  int momentum_mode;          // 0 no momentum, 1 first step (buf = grad), 2 buf = momentum*buf + (1-d)*grad
-  bool nesterov;
-  bool maximize;
-  bool has_master;
-};
 
 // All launchers return cudaGetLastError() after the launch (cudaSuccess when there is nothing to do).
 // max_blocks caps the grid; blocks grid-stride over the chunk table.
@@ -139,6 +42,8 @@ cudaError_t grad_stats_reduce(const float* partials, int64_t n_partials, float* 
 #ifdef __CUDACC__
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <type_traits>
 
 namespace fastops {
 namespace cuda {
@@ -193,25 +98,31 @@ struct Elem<float> {
   static __device__ __forceinline__ float load(float x) { return x; }
   static __device__ __forceinline__ float store(float x) { return x; }
 };
-template <>
-struct Elem<__nv_bfloat16> {
-  static __device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float(x); }
-  static __device__ __forceinline__ __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
+// A 16-bit type's conversions from and to its bit pattern: its load and store of the same 16 bits.
+template <typename T>
+struct Bits16 {
   static __device__ __forceinline__ float from_bits(unsigned int b) {
-    return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b)));
+    const unsigned short s = static_cast<unsigned short>(b);
+    T x;
+    memcpy(&x, &s, sizeof x);
+    return Elem<T>::load(x);
   }
   static __device__ __forceinline__ unsigned int to_bits(float x) {
-    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+    const T t = Elem<T>::store(x);
+    unsigned short s;
+    memcpy(&s, &t, sizeof s);
+    return s;
   }
 };
 template <>
-struct Elem<__half> {
+struct Elem<__nv_bfloat16> : Bits16<__nv_bfloat16> {
+  static __device__ __forceinline__ float load(__nv_bfloat16 x) { return __bfloat162float(x); }
+  static __device__ __forceinline__ __nv_bfloat16 store(float x) { return __float2bfloat16_rn(x); }
+};
+template <>
+struct Elem<__half> : Bits16<__half> {
   static __device__ __forceinline__ float load(__half x) { return __half2float(x); }
   static __device__ __forceinline__ __half store(float x) { return __float2half_rn(x); }
-  static __device__ __forceinline__ float from_bits(unsigned int b) {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
-  }
-  static __device__ __forceinline__ unsigned int to_bits(float x) { return __half_as_ushort(__float2half_rn(x)); }
 };
 
 // Pointers read from a table are generic addresses to nvcc, so plain accesses through them compile to
@@ -268,11 +179,27 @@ __device__ __forceinline__ bool aligned(const void* p, uintptr_t bytes) {
   return (reinterpret_cast<uintptr_t>(p) % bytes) == 0;
 }
 
-// torch.maximum: nan if either operand is nan (fmaxf would drop it).
-__device__ __forceinline__ float max_nan(float a, float b) { return (a != a || a > b) ? a : b; }
+// Max across the warp, nan if any lane holds a nan (torch.amax): a 256-element block's absmax.
+__device__ __forceinline__ float warp_max_nan(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = max_nan(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
 
-// |x| <= FLT_MAX is false exactly for inf and nan.
-__device__ __forceinline__ bool finite(float x) { return fabsf(x) <= 3.402823466e+38f; }
+// Launches the kernel `pick(TypeTag<T>, x, y)` gives for kind's storage type T and the flags x and y (each as a
+// std::bool_constant, for the kernel's template arguments); cudaSuccess when there is nothing to do. The Adam
+// launchers (adam.cu, adam_lowp.cu).
+template <class Args, class Pick>
+cudaError_t launch_adam(ScalarKind kind, const Args& a, bool x, bool y, int max_blocks, cudaStream_t stream,
+                        const Pick& pick) {
+  if (a.n_chunks == 0) return cudaSuccess;
+  return launch_for_kind(kind, [&](auto t) {
+    const std::true_type on;
+    const std::false_type off;
+    auto kernel = x ? (y ? pick(t, on, on) : pick(t, on, off)) : (y ? pick(t, off, on) : pick(t, off, off));
+    launch_resident(kernel, a, max_blocks, stream);
+  });
+}
 
 }  // namespace detail
 }  // namespace cuda

@@ -53,7 +53,8 @@ __global__ void __launch_bounds__(kThreads) sgd_kernel(const SgdArgs a) {
     int64_t scalar_from = start;
     if (vec) {
       const int64_t vec_end = start + (end - start) / 4 * 4;
-      for (int64_t i = start + 4 * static_cast<int64_t>(threadIdx.x); i < vec_end; i += 4 * static_cast<int64_t>(blockDim.x)) {
+      for (int64_t i = start + 4 * static_cast<int64_t>(threadIdx.x); i < vec_end;
+           i += 4 * static_cast<int64_t>(blockDim.x)) {
         float pf[4], gf[4], bf[4];
         if (MASTER) {
           detail::load4<false>(w + i, pf);

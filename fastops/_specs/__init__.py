@@ -1,6 +1,7 @@
-"""One spec per ``torch.ops.fastops`` op: its schema, its one argument check, its sample inputs by device and the
-bad calls it must refuse. fastops/_ops.py registers the ops from these; opcheck, the parity and compile tests,
-the bad-input test and ``python -m fastops compile-check`` all read the same sample inputs."""
+"""One spec per ``torch.ops.fastops`` op: its schema (the one place its arguments are written), its argument check,
+its sample inputs by device and the bad calls it must refuse. fastops/_ops.py registers the ops from these;
+opcheck, the parity and compile tests, the bad-input test and ``python -m fastops compile-check`` all read the same
+sample inputs; fastops/_specs/codegen.py generates the C++ argument structs and bindings from the schemas."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from typing import Iterator
 import torch
 
 from .. import _checks as C
-from .spec import BadCall, OpSpec, Sample, beta, check_problem, nonnegative, on, scalars
+from .spec import BadCall, OpSpec, Sample, device_name, on, step_bad_calls, with_
 
 SCHEMA = (
     "adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
@@ -17,38 +17,17 @@ SCHEMA = (
 )
 
 
-def hyperparameters(beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+def check_values(a) -> None:
     """torch.optim.Adam's constructor rules and wording, shared with adam_step_lowp_."""
-    beta(beta1, 0)
-    beta(beta2, 1)
-    nonnegative(eps, "epsilon value")
-    nonnegative(weight_decay, "weight_decay value")
-
-
-def check_tensors(args) -> None:
-    (params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters, lr, _beta1, _beta2, _eps, _weight_decay, amsgrad,
-     _maximize, _decoupled, grad_scale, found_inf) = args  # fmt: skip
-    n = len(params)
-    ok = (
-        len(grads) == n and len(exp_avgs) == n and len(exp_avg_sqs) == n and len(steps) == n
-        and len(max_sqs) == (n if amsgrad else 0) and len(masters) in (0, n)
-        and C.floats_ok(params) and C.like_ok(grads, params)
-        and C.like_ok(exp_avgs, params, torch.float32) and C.like_ok(exp_avg_sqs, params, torch.float32)
-        and C.like_ok(max_sqs, params, torch.float32) and C.like_ok(masters, params, torch.float32)
-        and C.steps_ok(steps)
-    )  # fmt: skip
-    check_problem(ok, lambda: C.check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters, amsgrad))
-    device = params[0].device if n else None
-    scalars("adam_step_", device, (("lr", lr), ("grad_scale", grad_scale), ("found_inf", found_inf)))
-
-
-def check_values(args) -> None:
-    hyperparameters(*args[8:12])
+    C.beta(a.beta1, 0)
+    C.beta(a.beta2, 1)
+    C.nonnegative(a.eps, "epsilon value")
+    C.nonnegative(a.weight_decay, "weight_decay value")
 
 
 def inputs(sizes, dtype=torch.float32, amsgrad=False, master=False, seed=0, scale=None, found_inf=None, lr=1e-2,
-           device="cpu") -> list:  # fmt: skip
-    """The 17 positional arguments of adam_step_ a few steps into training: states at magnitudes training reaches,
+           device="cpu"):  # fmt: skip
+    """adam_step_'s arguments (``SPEC.Args``) a few steps into training: states at magnitudes training reaches,
     step counters 3, 4, ...; amsgrad's max_exp_avg_sqs above exp_avg_sqs for every other param, masters 1e-3 off
     their params. Drawn on the CPU (the same values on every device); lr is a float64 CPU tensor."""
     g = torch.Generator().manual_seed(seed)
@@ -56,13 +35,15 @@ def inputs(sizes, dtype=torch.float32, amsgrad=False, master=False, seed=0, scal
     grads = [torch.randn(n, generator=g).to(dtype) for n in sizes]
     exp_avgs = [torch.randn(n, generator=g).mul_(0.1) for n in sizes]
     exp_avg_sqs = [torch.rand(n, generator=g).mul_(0.01) for n in sizes]
-    max_sqs = [v + 0.001 * (i % 2) for i, v in enumerate(exp_avg_sqs)] if amsgrad else []
-    steps = [torch.tensor(float(3 + i), dtype=torch.float32) for i in range(len(sizes))]
-    masters = [p.float() + 1e-3 for p in params] if master else []
-    args = on(device, [params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters, None, 0.9, 0.999, 1e-8, 0.1,
-                       amsgrad, False, True, scale, found_inf])  # fmt: skip
-    args[7] = torch.tensor(lr, dtype=torch.float64)
-    return args
+    args = SPEC.Args(
+        params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+        max_exp_avg_sqs=[v + 0.001 * (i % 2) for i, v in enumerate(exp_avg_sqs)] if amsgrad else [],
+        state_steps=[torch.tensor(float(3 + i), dtype=torch.float32) for i in range(len(sizes))],
+        master_params=[p.float() + 1e-3 for p in params] if master else [], lr=None, beta1=0.9, beta2=0.999,
+        eps=1e-8, weight_decay=0.1, amsgrad=amsgrad, maximize=False, decoupled=True, grad_scale=scale,
+        found_inf=found_inf,
+    )  # fmt: skip
+    return on(device, args)._replace(lr=torch.tensor(lr, dtype=torch.float64))
 
 
 def sample_inputs(device="cpu") -> Iterator[Sample]:
@@ -72,49 +53,39 @@ def sample_inputs(device="cpu") -> Iterator[Sample]:
     yield Sample("bf16-amsgrad-master-scaled", inputs([5, 3], torch.bfloat16, amsgrad=True, master=True,
                                                       scale=torch.tensor(2.0), found_inf=torch.tensor(0.0),
                                                       device=device))  # fmt: skip
-    yield Sample("fp16-l2-maximize", _with(inputs([300, 2], torch.float16, device=device), {13: True, 14: False}))
+    yield Sample("fp16-l2-maximize", with_(inputs([300, 2], torch.float16, device=device), maximize=True,
+                                           decoupled=False))  # fmt: skip
     if torch.device(device).type != "cpu":
-        yield Sample("device-lr", _with(inputs([4, 1025], device=device), {7: torch.tensor(1e-2, device=device)}))
-
-
-def _with(args, changes) -> list:
-    args = list(args)
-    for i, v in changes.items():
-        args[i] = v(args) if callable(v) else v
-    return args
+        yield Sample("device-lr", inputs([4, 1025], device=device)._replace(lr=torch.tensor(1e-2, device=device)))
 
 
 def bad_inputs(device="cpu") -> Iterator[BadCall]:
-    def bad(case, message, changes, error=RuntimeError, **kw):
-        return BadCall(case, _with(inputs([5, 4], device=device, **kw), changes), error, message)
+    def bad(case, message, error=RuntimeError, master=False, **changes):
+        return BadCall(case, with_(inputs([5, 4], master=master, device=device), **changes), error, message)
 
-    yield bad("fp16 grad", "fastops: grads[1] has dtype torch.float16 but must be torch.float32 (as params[1])",
-              {1: lambda a: [a[1][0], a[1][1].half()]})
+    z = lambda *s, **kw: torch.zeros(*s, device=device, **kw)  # noqa: E731
+    yield from step_bad_calls("adam_step_", bad, device)
     yield bad("grad shape", "fastops: grads[1] has shape (3,) but params[1] has shape (4,)",
-              {1: lambda a: [a[1][0], torch.zeros(3, device=device)]})
-    yield bad("one exp_avg short", "fastops.adam_step_: expected 2 exp_avgs (one per param), got 1", {2: lambda a: a[2][:1]})
-    yield bad("bf16 exp_avg_sq", "fastops: exp_avg_sqs[1] has dtype torch.bfloat16 but must be torch.float32 (as params[1])",
-              {3: lambda a: [a[3][0], a[3][1].bfloat16()]})
-    yield bad("max_exp_avg_sqs without amsgrad", "fastops.adam_step_: max_exp_avg_sqs must be empty when amsgrad=False",
-              {4: lambda a: [t.clone() for t in a[3]]})
-    yield bad("gapped param", "fastops: params[0] is not contiguous (its memory is strided with gaps or overlaps); "
-              "fused kernels walk the tensor's memory as one block",
-              {0: lambda a: [torch.zeros(10, device=device)[::2], a[0][1]]})
+              grads=lambda a: [a.grads[0], z(3)])
+    yield bad("one exp_avg short", "fastops.adam_step_: expected 2 exp_avgs (one per param), got 1",
+              exp_avgs=lambda a: a.exp_avgs[:1])
+    yield bad("bf16 exp_avg_sq", "fastops: exp_avg_sqs[1] has dtype torch.bfloat16 but must be torch.float32 (as "
+              "params[1])", exp_avg_sqs=lambda a: [a.exp_avg_sqs[0], a.exp_avg_sqs[1].bfloat16()])
+    yield bad("max_exp_avg_sqs without amsgrad", "fastops.adam_step_: max_exp_avg_sqs must be empty when "
+              "amsgrad=False", max_exp_avg_sqs=lambda a: [t.clone() for t in a.exp_avg_sqs])
     yield bad("transposed grad", "fastops: grads[0] has strides (1, 2) but params[0] has strides (3, 1)",
-              {0: lambda a: [torch.zeros(2, 3, device=device), a[0][1]], 1: lambda a: [torch.zeros(3, 2, device=device).t(), a[1][1]],
-               2: lambda a: [torch.zeros(2, 3, device=device), a[2][1]], 3: lambda a: [torch.zeros(2, 3, device=device), a[3][1]]})
+              params=lambda a: [z(2, 3), a.params[1]], grads=lambda a: [z(3, 2).t(), a.grads[1]],
+              exp_avgs=lambda a: [z(2, 3), a.exp_avgs[1]], exp_avg_sqs=lambda a: [z(2, 3), a.exp_avg_sqs[1]])
     yield bad("int step", "fastops.adam_step_: state_steps[1] must be a float32 tensor with one element",
-              {5: lambda a: [a[5][0], torch.tensor(1, device=device)]})
-    yield bad("lr with two elements",
-              "fastops.adam_step_: lr must be a floating tensor with one element, got torch.float32 of shape (2,)",
-              {7: torch.tensor([0.1, 0.1])})
-    yield bad("found_inf with two elements",
-              "fastops.adam_step_: found_inf must be a floating tensor with one element, got torch.float32 of shape (2,)",
-              {16: torch.zeros(2, device=device)})
-    yield bad("beta1 = 1", "Invalid beta parameter at index 0: 1.0", {8: 1.0}, ValueError)
-    yield bad("beta2 = -0.1", "Invalid beta parameter at index 1: -0.1", {9: -0.1}, ValueError)
-    yield bad("negative eps", "Invalid epsilon value: -1e-08", {10: -1e-8}, ValueError)
-    yield bad("negative weight_decay", "Invalid weight_decay value: -0.1", {11: -0.1}, ValueError)
+              state_steps=lambda a: [a.state_steps[0], torch.tensor(1, device=device)])
+    if torch.device(device).type != "cpu":
+        yield bad("step on the CPU", f"fastops.adam_step_: state_steps[1] is on cpu but params[0] is on "
+                  f"{device_name(device)}; the kernels read each step on the params' device",
+                  state_steps=lambda a: [a.state_steps[0], a.state_steps[1].cpu()])
+    yield bad("beta1 = 1", "Invalid beta parameter at index 0: 1.0", ValueError, beta1=1.0)
+    yield bad("beta2 = -0.1", "Invalid beta parameter at index 1: -0.1", ValueError, beta2=-0.1)
+    yield bad("negative eps", "Invalid epsilon value: -1e-08", ValueError, eps=-1e-8)
+    yield bad("negative weight_decay", "Invalid weight_decay value: -0.1", ValueError, weight_decay=-0.1)
 
 
-SPEC = OpSpec("adam_step_", SCHEMA, (0, 2, 3, 4, 5, 6), check_tensors, check_values, None, sample_inputs, bad_inputs)
+SPEC = OpSpec(SCHEMA, C.adam_step_, check_values, None, sample_inputs, bad_inputs)

@@ -8,35 +8,13 @@ from typing import Iterator
 import torch
 
 from .. import _checks as C
-from .spec import BadCall, OpSpec, Sample, check_problem, scalars
+from .spec import BadCall, OpSpec, Sample, device_name
 
 UNSCALE_SCHEMA = "unscale_check_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale) -> ()"
 GRAD_STATS_SCHEMA = "grad_stats(Tensor[] grads, Tensor? inv_scale=None) -> Tensor"
 
 
-def _grads_ok(grads) -> bool:
-    return C.floats_ok(grads)
-
-
-def check_unscale(args) -> None:
-    grads, found_inf, inv_scale = args
-    check_problem(_grads_ok(grads), lambda: C.check_grads(grads, "unscale_check_"))
-    if not len(grads):
-        return
-    device = grads[0].device
-    if found_inf.numel() != 1 or found_inf.dtype != torch.float32 or found_inf.device != device:
-        check_problem(False, lambda: C.check_found_inf(found_inf, "unscale_check_", device))
-    scalars("unscale_check_", device, (("inv_scale", inv_scale),))
-
-
-def check_grad_stats(args) -> None:
-    grads, inv_scale = args if len(args) == 2 else (args[0], None)
-    torch._check(len(grads) > 0, lambda: "fastops.grad_stats: needs at least one tensor")
-    check_problem(_grads_ok(grads), lambda: C.check_grads(grads, "grad_stats"))
-    scalars("grad_stats", grads[0].device, (("inv_scale", inv_scale),))
-
-
-def no_values(args) -> None:
+def no_values(a) -> None:
     """inv_scale is any finite or infinite value a GradScaler holds; the AMP ops take no hyperparameters."""
 
 
@@ -52,53 +30,58 @@ def grads(sizes, dtype=torch.float32, poison=None, where="first", seed=0, device
 
 
 def unscale_samples(device="cpu") -> Iterator[Sample]:
-    d = torch.device(device)
-    yield Sample("fp16", [grads([5, 3], torch.float16, device=device), torch.zeros(1, device=d), torch.tensor(0.5)])
-    yield Sample("mixed-inf-device-scale", [grads([7, 0], torch.float32, float("inf"), device=device) +
-                                            grads([4], torch.bfloat16, device=device),
-                                            torch.zeros(1, device=d), torch.tensor(0.25, device=d)])  # fmt: skip
+    d, make = torch.device(device), UNSCALE_CHECK.Args
+    yield Sample("fp16", make(grads([5, 3], torch.float16, device=device), torch.zeros(1, device=d), torch.tensor(0.5)))
+    yield Sample("mixed-inf-device-scale", make(grads([7, 0], torch.float32, float("inf"), device=device) +
+                                                grads([4], torch.bfloat16, device=device),
+                                                torch.zeros(1, device=d), torch.tensor(0.25, device=d)))  # fmt: skip
 
 
 def grad_stats_samples(device="cpu") -> Iterator[Sample]:
-    yield Sample("bf16-with-empty", [grads([5, 0, 3], torch.bfloat16, device=device)])
-    yield Sample("fp32-inv-scale", [grads([5, 3], device=device), torch.tensor(0.25)])
+    make = GRAD_STATS.Args
+    yield Sample("bf16-with-empty", make(grads([5, 0, 3], torch.bfloat16, device=device)))
+    yield Sample("fp32-inv-scale", make(grads([5, 3], device=device), torch.tensor(0.25)))
     # inf, not nan: opcheck compares outputs without equal_nan.
-    yield Sample("fp16-inf", [grads([300, 2], torch.float16, float("inf"), "last", device=device), None])
+    yield Sample("fp16-inf", make(grads([300, 2], torch.float16, float("inf"), "last", device=device), None))
 
 
 def unscale_bad(device="cpu") -> Iterator[BadCall]:
-    op = "fastops.unscale_check_"
-    dev = str(torch.empty(0, device=device).device)
-    g = lambda: [torch.ones(3, device=device)]  # noqa: E731
-    yield BadCall("found_inf with two elements", [g(), torch.zeros(2, device=device), torch.tensor(0.5)], RuntimeError,
-                  f"{op}: found_inf must be one float32 element on {dev} (the kernel writes it), got torch.float32 of "
-                  f"shape (2,) on {dev}")  # fmt: skip
-    yield BadCall("int found_inf", [g(), torch.zeros(1, dtype=torch.int32, device=device), torch.tensor(0.5)],
-                  RuntimeError, f"{op}: found_inf must be one float32 element on {dev} (the kernel writes it), got "
-                  f"torch.int32 of shape (1,) on {dev}")  # fmt: skip
-    yield BadCall("inv_scale with two elements", [g(), torch.zeros(1, device=device), torch.ones(2)], RuntimeError,
-                  f"{op}: inv_scale must be a floating tensor with one element, got torch.float32 of shape (2,)")
-    yield BadCall("int64 grad", [g() + [torch.ones(3, dtype=torch.long, device=device)], torch.zeros(1, device=device),
-                                 torch.tensor(1.0)], RuntimeError,
-                  f"{op}: grads[1] has dtype torch.int64; expected float32, bfloat16 or float16")  # fmt: skip
+    op, dev = "fastops.unscale_check_", device_name(device)
+
+    def bad(case, message, grads=None, found_inf=None, inv_scale=torch.tensor(0.5)):
+        grads = [torch.ones(3, device=device)] if grads is None else grads
+        found_inf = torch.zeros(1, device=device) if found_inf is None else found_inf
+        return BadCall(case, UNSCALE_CHECK.Args(grads, found_inf, inv_scale), RuntimeError, message)
+
+    yield bad("found_inf with two elements", f"{op}: found_inf must be one float32 element on {dev} (the kernel "
+              f"writes it), got torch.float32 of shape (2,) on {dev}", found_inf=torch.zeros(2, device=device))
+    yield bad("int found_inf", f"{op}: found_inf must be one float32 element on {dev} (the kernel writes it), got "
+              f"torch.int32 of shape (1,) on {dev}", found_inf=torch.zeros(1, dtype=torch.int32, device=device))
+    yield bad("inv_scale with two elements", f"{op}: inv_scale must be a floating tensor with one element, got "
+              "torch.float32 of shape (2,)", inv_scale=torch.ones(2))
+    yield bad("int64 grad", f"{op}: grads[1] has dtype torch.int64; expected float32, bfloat16 or float16",
+              grads=[torch.ones(3, device=device), torch.ones(3, dtype=torch.long, device=device)])
 
 
 def grad_stats_bad(device="cpu") -> Iterator[BadCall]:
     op = "fastops.grad_stats"
-    g = lambda: [torch.ones(3, device=device)]  # noqa: E731
-    yield BadCall("inv_scale with two elements", [g(), torch.ones(2)], RuntimeError,
-                  f"{op}: inv_scale must be a floating tensor with one element, got torch.float32 of shape (2,)")
-    yield BadCall("int inv_scale", [g(), torch.tensor(2)], RuntimeError,
-                  f"{op}: inv_scale must be a floating tensor with one element, got torch.int64 of shape ()")
-    yield BadCall("gapped grad", [[torch.ones(6, device=device)[::2]], None], RuntimeError,
-                  "fastops: grads[0] is not contiguous (its memory is strided with gaps or overlaps); fused kernels "
-                  "walk the tensor's memory as one block")  # fmt: skip
+
+    def bad(case, message, grads=None, inv_scale=None):
+        grads = [torch.ones(3, device=device)] if grads is None else grads
+        return BadCall(case, GRAD_STATS.Args(grads, inv_scale), RuntimeError, message)
+
+    yield bad("no grads", f"{op}: needs at least one tensor", grads=[], inv_scale=torch.ones((), device=device))
+    yield bad("inv_scale with two elements", f"{op}: inv_scale must be a floating tensor with one element, got "
+              "torch.float32 of shape (2,)", inv_scale=torch.ones(2))
+    yield bad("int inv_scale", f"{op}: inv_scale must be a floating tensor with one element, got torch.int64 of "
+              "shape ()", inv_scale=torch.tensor(2))
+    yield bad("gapped grad", "fastops: grads[0] is not contiguous (its memory is strided with gaps or overlaps); "
+              "fused kernels walk the tensor's memory as one block", grads=[torch.ones(6, device=device)[::2]])
 
 
-def _grad_stats_result(grads, inv_scale=None):
-    return grads[0].new_empty((3,), dtype=torch.float32)
+def _grad_stats_result(a):
+    return a.grads[0].new_empty((3,), dtype=torch.float32)
 
 
-UNSCALE_CHECK = OpSpec("unscale_check_", UNSCALE_SCHEMA, (0, 1), check_unscale, no_values, None, unscale_samples, unscale_bad)
-GRAD_STATS = OpSpec("grad_stats", GRAD_STATS_SCHEMA, (), check_grad_stats, no_values, _grad_stats_result, grad_stats_samples,
-                    grad_stats_bad)  # fmt: skip
+UNSCALE_CHECK = OpSpec(UNSCALE_SCHEMA, C.unscale_check_, no_values, None, unscale_samples, unscale_bad)
+GRAD_STATS = OpSpec(GRAD_STATS_SCHEMA, C.grad_stats, no_values, _grad_stats_result, grad_stats_samples, grad_stats_bad)

@@ -39,34 +39,26 @@ def _kernel_classes() -> tuple[type, ...]:
 
 
 @contextlib.contextmanager
-def _recording(launches: list[Launch], host: set[str]):
-    """Kernel launches are recorded instead of run; the scalars named in ``host`` are read on the host."""
+def _recording(launches: list[Launch]):
+    """Kernel launches are recorded instead of run."""
 
     def record(self, *args, grid, warmup, **kwargs):
         launches.append(Launch(self, args, kwargs))
 
-    patched = [(cls, "run", record) for cls in _kernel_classes()]
-    importlib.import_module("fastops.kernels")  # and the launcher modules it imports, patched below
-    for name, mod in list(sys.modules.items()):
-        source = getattr(mod, "scalar_source", None)
-        if name.startswith("fastops.kernels") and source is not None:
-            def on_host(t, device, op, what, on_host=False, _source=source):
-                return _source(t, device, op, what, on_host or what in host)
-
-            patched.append((mod, "scalar_source", on_host))
-    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patched]
+    classes = _kernel_classes()
+    saved = [(cls, cls.run) for cls in classes]
     try:
-        for obj, attr, new in patched:
-            setattr(obj, attr, new)
+        for cls in classes:
+            cls.run = record
         yield
     finally:
-        for obj, attr, old in saved:
-            setattr(obj, attr, old)
+        for cls, run in saved:
+            cls.run = run
 
 
 def capture(op: Op, options: dict[str, Any]) -> list[Launch]:
     launches: list[Launch] = []
-    with _recording(launches, {k for k, v in options.items() if isinstance(v, str) and v == "host"}):
+    with _recording(launches):
         op.call(options)
     return launches
 

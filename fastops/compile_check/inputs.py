@@ -19,9 +19,9 @@ EXHAUSTIVE_UP_TO = 64
 class Op:
     """A Triton launcher and the options it is checked over. ``call(options)`` calls the launcher once on small
     CPU tensors. Option values for a one-element scalar tensor are None (not passed), ``"host"`` (the launcher
-    reads it on the host: what a CPU scalar does with CUDA tensors) or a dtype (on the tensors' device, read in
-    the kernel through a pointer); the option's name is the scalar's name in ``scalar_source``. Put each option's
-    heaviest value last."""
+    reads it on the host, its ``host_scalars`` option: what a CPU scalar does with CUDA tensors) or a dtype (on the
+    tensors' device, read in the kernel through a pointer); the option's name is the scalar argument's. Put each
+    option's heaviest value last."""
 
     name: str
     call: Callable[[dict[str, Any]], None]
@@ -49,29 +49,34 @@ def _scalar(value, fill: float = 1.0) -> torch.Tensor | None:
     return torch.full((), fill, dtype=torch.float32 if value == "host" else value)
 
 
+def _host(o: dict[str, Any]) -> tuple[str, ...]:
+    """The launcher's ``host_scalars``: the scalar options set to "host"."""
+    return tuple(k for k, v in o.items() if isinstance(v, str) and v == "host")
+
+
+def _wd(o: dict[str, Any]) -> dict[str, Any]:
+    return {"weight_decay": 0.0 if o["weight_decay"] == "none" else 0.01, "decoupled": o["weight_decay"] == "decoupled"}
+
+
 def _adam(o: dict[str, Any]) -> None:
     from fastops import kernels
     from fastops._specs import adam
 
     args = adam.inputs([N], o["dtype"], amsgrad=o["amsgrad"], master=o["master"])
-    args[0] = [_placed(args[0][0], o["aligned"])]
-    args[7:12] = [_scalar(o["lr"], 1e-3), o["beta1"], 0.999, 1e-8, 0.0 if o["weight_decay"] == "none" else 0.01]
-    args[13:17] = [o["maximize"], o["weight_decay"] == "decoupled", _scalar(o["grad_scale"]),
-                   _scalar(o["found_inf"], 0.0)]  # fmt: skip
-    kernels.adam_step_(*args)
+    args = args._replace(params=[_placed(args.params[0], o["aligned"])], lr=_scalar(o["lr"], 1e-3), beta1=o["beta1"],
+                         maximize=o["maximize"], grad_scale=_scalar(o["grad_scale"]),
+                         found_inf=_scalar(o["found_inf"], 0.0), **_wd(o))  # fmt: skip
+    kernels.adam_step_(*args, host_scalars=_host(o))
 
 
 def _adam_lowp(o: dict[str, Any]) -> None:
     from fastops import kernels
     from fastops._specs import adam_lowp
 
-    args = adam_lowp.inputs([o["numel"]], o["state"], o["dtype"], o["master"],
-                            weight_decay=0.0 if o["weight_decay"] == "none" else 0.01,
-                            decoupled=o["weight_decay"] == "decoupled", maximize=o["maximize"], seed=7)  # fmt: skip
-    args[0] = [_placed(args[0][0], o["aligned"])]
-    args[8], args[9] = _scalar(o["lr"], 1e-3), o["beta1"]
-    args[16:18] = [_scalar(o["grad_scale"]), _scalar(o["found_inf"], 0.0)]
-    kernels.adam_step_lowp_(*args)
+    args = adam_lowp.inputs([o["numel"]], o["state"], o["dtype"], o["master"], maximize=o["maximize"], seed=7, **_wd(o))
+    args = args._replace(params=[_placed(args.params[0], o["aligned"])], lr=_scalar(o["lr"], 1e-3), beta1=o["beta1"],
+                         grad_scale=_scalar(o["grad_scale"]), found_inf=_scalar(o["found_inf"], 0.0))  # fmt: skip
+    kernels.adam_step_lowp_(*args, host_scalars=_host(o))
 
 
 def _sgd(o: dict[str, Any]) -> None:
@@ -81,11 +86,11 @@ def _sgd(o: dict[str, Any]) -> None:
     # The op's invalid combinations (nesterov without momentum, nesterov with dampening) map to valid ones.
     momentum = 0.9 if o["momentum"] or o["nesterov"] else 0.0
     args = sgd.inputs([N], o["dtype"], momentum, o["master"], lr=_scalar(o["lr"], 1e-3),
-                      weight_decay=0.01 if o["weight_decay"] else 0.0, dampening=0.0 if o["nesterov"] else o["dampening"],
+                      weight_decay=0.01 if o["weight_decay"] else 0.0,
+                      dampening=0.0 if o["nesterov"] else o["dampening"],
                       nesterov=o["nesterov"], maximize=o["maximize"], first=o["first"],
                       scale=_scalar(o["grad_scale"]), found_inf=_scalar(o["found_inf"], 0.0))  # fmt: skip
-    args[0] = [_placed(args[0][0], o["aligned"])]
-    kernels.sgd_step_(*args)
+    kernels.sgd_step_(*args._replace(params=[_placed(args.params[0], o["aligned"])]), host_scalars=_host(o))
 
 
 def _grads(o: dict[str, Any]) -> list[torch.Tensor]:
@@ -105,13 +110,13 @@ def _unscale(o: dict[str, Any]) -> None:
     from fastops._specs import amp
 
     grads = [_placed(amp.grads([N], o["dtype"])[0], o["aligned"])]
-    kernels.unscale_check_(grads, torch.zeros(1), _scalar(o["inv_scale"]))
+    kernels.unscale_check_(grads, torch.zeros(1), _scalar(o["inv_scale"]), host_scalars=_host(o))
 
 
 def _grad_stats(o: dict[str, Any]) -> None:
     from fastops import kernels
 
-    kernels.grad_stats(_grads(o), _scalar(o["inv_scale"]))
+    kernels.grad_stats(_grads(o), _scalar(o["inv_scale"]), host_scalars=_host(o))
 
 
 def _ce_rows(o: dict[str, Any]) -> None:
