@@ -11,20 +11,8 @@ import torch
 import fastops
 from fastops import _backend
 from tests.adam_helpers import (
-    STEPS,
-    BIG,
-    _model_params,
-    _grads,
-    _schedule,
-    _run,
-    _groups,
-    _sizes,
-    FP32_TOL,
-    _assert_fp32_close,
-    _assert_states_close,
-    _Fp64Adam,
-    _spacings,
-    LR_MAX,
+    BIG, FP32_TOL, LR_MAX, STEPS, _assert_fp32_close, _assert_states_close, _Fp64Adam, _grads, _groups,
+    _model_params, _run, _schedule, _sizes, _spacings
 )
 
 

@@ -11,20 +11,8 @@ import torch
 import fastops
 from fastops import _backend
 from tests.adam_helpers import (
-    STEPS,
-    _fresh_dynamo,
-    _torch_keys,
-    _model_params,
-    _grads,
-    _schedule,
-    _run,
-    _groups,
-    _sizes,
-    _assert_fp32_close,
-    _assert_states_close,
-    _Fp64Adam,
-    _spacings,
-    LR_MAX,
+    LR_MAX, STEPS, _assert_fp32_close, _assert_states_close, _Fp64Adam, _fresh_dynamo, _grads, _groups,
+    _model_params, _run, _schedule, _sizes, _spacings, _torch_keys
 )
 
 

@@ -18,6 +18,22 @@ namespace {
 
 using detail::Elem;
 
+// One chunk of the grad table: its grad pointer and [start, end) of the elements the chunk covers.
+template <typename T>
+struct GradChunk {
+  T* g;
+  int64_t start, end;
+};
+
+template <typename T>
+__device__ __forceinline__ GradChunk<T> grad_chunk(const int64_t* tensors, const int64_t* chunks, int64_t c) {
+  const int64_t t = chunks[2 * c];
+  const int64_t start = chunks[2 * c + 1] * kChunkSize;
+  const int64_t numel = tensors[t * kGradCols + kGradNumel];
+  return {reinterpret_cast<T*>(tensors[t * kGradCols + kGradPtr]), start,
+          numel < start + kChunkSize ? numel : start + kChunkSize};
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     unscale_check_kernel(const int64_t* tensors, const int64_t* chunks, int64_t n_chunks, float* found_inf,
@@ -25,11 +41,7 @@ __global__ void __launch_bounds__(kThreads)
   const float inv = inv_scale_ptr != nullptr ? *inv_scale_ptr : inv_scale_value;
   bool bad = false;
   for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-    const int64_t t = chunks[2 * c];
-    const int64_t start = chunks[2 * c + 1] * kChunkSize;
-    T* g = reinterpret_cast<T*>(tensors[t * kGradCols + kGradPtr]);
-    const int64_t numel = tensors[t * kGradCols + kGradNumel];
-    const int64_t end = numel < start + kChunkSize ? numel : start + kChunkSize;
+    const auto [g, start, end] = grad_chunk<T>(tensors, chunks, c);
     int64_t scalar_from = start;
     if (detail::aligned(g, 4 * sizeof(T))) {
       const int64_t vec_end = start + (end - start) / 4 * 4;
@@ -119,11 +131,7 @@ __global__ void __launch_bounds__(kThreads)
                                int64_t first_partial, const float* inv_scale_ptr, float inv_scale_value) {
   const float inv = inv_scale_ptr != nullptr ? *inv_scale_ptr : inv_scale_value;
   for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-    const int64_t t = chunks[2 * c];
-    const int64_t start = chunks[2 * c + 1] * kChunkSize;
-    const T* g = reinterpret_cast<const T*>(tensors[t * kGradCols + kGradPtr]);
-    const int64_t numel = tensors[t * kGradCols + kGradNumel];
-    const int64_t end = numel < start + kChunkSize ? numel : start + kChunkSize;
+    const auto [g, start, end] = grad_chunk<const T>(tensors, chunks, c);
     Stats s{0.0f, 0.0f, 0, 0};
     int64_t scalar_from = start;
     if (detail::aligned(g, 4 * sizeof(T))) {
