@@ -4,6 +4,7 @@
 
 #include "cpu/kernels.h"
 #include "fastops.h"
+#include "linear_ce.h"
 
 namespace py = pybind11;
 
@@ -46,9 +47,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   cpp.def("cpu_cache_empty", &fastops::cpu::cpu_cache_empty, "Give every cached CPU block back to the OS.");
 
-  cpp.def("linear_ce_pass", &fastops::cpu::linear_ce_pass, py::arg("x"), py::arg("weight"), py::arg("bias"),
-          py::arg("target"), py::arg("label_smoothing"), py::arg("scale"), py::arg("grad_rows"), py::arg("with_grad"),
-          py::arg("chunk_rows") = 0, py::call_guard<py::gil_scoped_release>());
+  // linear_cross_entropy (csrc/cpu/linear_ce.cpp), and the same driver around the CUDA row pass's per-row math
+  // compiled for the host (csrc/cpu/ce_cuda_host.cpp), which the CPU tests run against the reference.
+  cpp.def("linear_cross_entropy", &fastops::cpu::linear_cross_entropy, py::call_guard<py::gil_scoped_release>());
+  cpp.def("linear_cross_entropy_backward", &fastops::cpu::linear_cross_entropy_backward,
+          py::call_guard<py::gil_scoped_release>());
+  cpp.def("linear_ce_chunk_rows", &fastops::ce_chunk_rows, py::arg("m"), py::arg("h"), py::arg("v"),
+          py::arg("itemsize"), py::arg("grad_weight"));
+  py::module_ ce_host = m.def_submodule("cuda_host", "csrc/cuda's linear_cross_entropy row math, host-compiled");
+  ce_host.def("linear_cross_entropy", &fastops::cuda_host::linear_cross_entropy,
+              py::call_guard<py::gil_scoped_release>());
+  ce_host.def("linear_cross_entropy_backward", &fastops::cuda_host::linear_cross_entropy_backward,
+              py::call_guard<py::gil_scoped_release>());
 
 #ifdef WITH_CUDA
   m.attr("WITH_CUDA") = true;

@@ -487,6 +487,7 @@ void register_bindings(pybind11::module_ m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("grad_stats", &grad_stats, py::arg("grads"), py::arg("inv_scale") = py::none(),
         py::call_guard<py::gil_scoped_release>());
+  register_linear_ce(m);
 }
 
 }  // namespace cuda

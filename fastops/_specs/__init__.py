@@ -4,11 +4,12 @@ the bad-input test and ``python -m fastops compile-check`` all read the same sam
 
 from __future__ import annotations
 
-from . import adam, adam_lowp, amp, sgd
+from . import adam, adam_lowp, amp, linear_ce, sgd
 from .spec import BadCall, OpSpec, Sample
 
 SPECS: dict[str, OpSpec] = {
-    s.name: s for s in (adam.SPEC, adam_lowp.SPEC, sgd.SPEC, amp.UNSCALE_CHECK, amp.GRAD_STATS)
+    s.name: s for s in (adam.SPEC, adam_lowp.SPEC, sgd.SPEC, amp.UNSCALE_CHECK, amp.GRAD_STATS, linear_ce.FORWARD,
+                        linear_ce.BACKWARD)
 }
 
-__all__ = ["SPECS", "OpSpec", "Sample", "BadCall", "adam", "adam_lowp", "sgd", "amp"]
+__all__ = ["SPECS", "OpSpec", "Sample", "BadCall", "adam", "adam_lowp", "sgd", "amp", "linear_ce"]
