@@ -31,14 +31,16 @@ in the file are skipped) and any subset of the grid run (--n/--h/--v/--threads l
   load1                                          the 1-minute load average when the point started
 
     python benchmarks/bench_loss.py --n 1024 --h 256 --v 32000 --threads 1 --out loss_dev   # one point
-    python benchmarks/bench_loss.py --out loss_grid                                         # the whole grid
+    python benchmarks/bench_loss.py --out loss_grid --lock /tmp/fastops-bench.lock          # the whole grid
     python benchmarks/bench_loss.py --out loss_grid --report    # per-target summary, and the plot
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import fcntl
 import gc
 import json
 import os
@@ -201,6 +203,21 @@ def _done(path: str) -> set[tuple]:
         return {tuple(int(r[k]) for k in ("threads", "n", "h", "v")) for r in csv.DictReader(f)}
 
 
+@contextlib.contextmanager
+def _locked(path):
+    """The benchmark lock for one point (its providers' rounds run back to back), or nothing: a grid of hours
+    takes the lock point by point, so other benchmarks on the machine can run between points."""
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def measure(a) -> None:
     base = common.result_base(a.out)
     path = base + ".csv"
@@ -218,8 +235,10 @@ def measure(a) -> None:
     meta["runs"].append(run)
     start = time.time()
     for threads, n, h, v in todo:
-        t0 = time.time()
-        rows = run_point(threads, n, h, v, a.rounds, threads in a.mem_threads)
+        with _locked(a.lock):
+            t0 = time.time()
+            rows = run_point(threads, n, h, v, a.rounds, threads in a.mem_threads)
+            took = time.time() - t0
         new = not os.path.exists(path)
         with open(path, "a", newline="") as f:
             w = csv.DictWriter(f, fieldnames=FIELDS)
@@ -231,7 +250,7 @@ def measure(a) -> None:
                   + " ".join(f"{p} {r[f'ms_{p}']:.0f}" for p in PROVIDERS)
                   + f" | x{r['speedup_best_peer']} best peer, x{r['speedup_eager']} eager, mem {r['mem_vs_eager']}",
                   flush=True)
-        print(f"  point took {time.time() - t0:.0f} s, load {os.getloadavg()[0]:.2f}", flush=True)
+        print(f"  point took {took:.0f} s, load {os.getloadavg()[0]:.2f}", flush=True)
         run["wall_s"] = round(time.time() - start)
         run["load_end"] = round(os.getloadavg()[0], 2)
         json.dump(meta, open(meta_path, "w"), indent=1)
@@ -308,6 +327,7 @@ def main() -> None:
     p.add_argument("--mem-threads", type=int, nargs="*", default=[1],
                    help="thread counts whose points also measure peak memory (it does not depend on them)")
     p.add_argument("--out", default="loss_grid")
+    p.add_argument("--lock", default="", help="a lock file taken around each point (e.g. /tmp/fastops-bench.lock)")
     p.add_argument("--report", action="store_true", help="only summarise and plot the CSV")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=3, help=argparse.SUPPRESS)

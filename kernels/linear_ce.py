@@ -16,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _lce
 from ._common import TL_DTYPE
 
 BLOCK = 1024
@@ -75,6 +74,8 @@ def _rows(buf, target, grad_rows, loss, scale, eps, with_grad):
 def rows(buf, target, row_grad, scale, eps, with_grad, loss):
     """The row pass in fastops/_lce.py's signature. fp64 chunks take the reference's (no kernel takes fp64)."""
     if buf.dtype == torch.float64:
+        from fastops import _lce  # here, not at import: this folder may also be imported as a top-level package
+
         _lce.reference_rows(buf, target, row_grad, scale, eps, with_grad, loss)
         return
     row_grad = None if row_grad is None else row_grad.float().contiguous()
@@ -89,8 +90,12 @@ def rows(buf, target, row_grad, scale, eps, with_grad, loss):
 
 def linear_cross_entropy(*args):
     """fastops/_specs/linear_ce.py's op: fastops/_lce.py's chunk loop (torch's matmuls) around this row pass."""
+    from fastops import _lce
+
     return _lce.forward(*args, rows=rows, rows_take_half=True)
 
 
 def linear_cross_entropy_backward(*args):
+    from fastops import _lce
+
     return _lce.backward(*args, rows=rows, rows_take_half=True)
