@@ -10,13 +10,13 @@
 // side (both within 1 ulp).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #ifdef __CUDACC__
 #define FASTOPS_HD __host__ __device__ __forceinline__
 #else
-#include <cmath>
-#include <cstring>
 #define FASTOPS_HD inline
 #endif
 
