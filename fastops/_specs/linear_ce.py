@@ -3,9 +3,10 @@ the gradients asked for, without ever holding the N x V logits.
 
 ``linear_cross_entropy(x, weight, target, bias, ignore_index, reduction, label_smoothing, normalizer, grad_x,
 grad_weight, grad_bias, chunk_rows) -> (loss, grad_x, grad_weight, grad_bias)``
-    ``reduction`` is torch's Reduction enum (0 none, 1 mean, 2 sum), as aten's cross_entropy_loss takes it. x: (..., H), weight: (V, H), bias: (V,) or None, target: (...) int64/int32 class indices, rows whose target is
-    ``ignore_index`` dropped. The loss is F.cross_entropy's with ``label_smoothing``, kept in fp32 (fp64 for fp64
-    inputs): per row for ``reduction="none"``, else the sum, or the mean over the labeled rows, or, where
+    x: (..., H), weight: (V, H), bias: (V,) or None, target: (...) int64/int32 class indices, rows whose target is
+    ``ignore_index`` dropped; ``reduction`` is torch's Reduction enum (0 none, 1 mean, 2 sum), as aten's
+    cross_entropy_loss takes it. The loss is F.cross_entropy's with ``label_smoothing``, kept in fp32 (fp64 for
+    fp64 inputs): per row for ``reduction="none"``, else the sum, or the mean over the labeled rows, or, where
     ``normalizer`` > 0, the sum divided by ``normalizer`` (a batch split into micro-batches then normalises over
     the whole batch's labeled count, as one large batch would). For "mean" and "sum" the gradients whose flag is
     set come back with the loss (the loss's own, before any incoming gradient), in the inputs' dtype; the others,
