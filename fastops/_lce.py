@@ -92,10 +92,11 @@ def _labeled(x2, t1, ignore_index, v):
 
 
 def _accumulate(gw, dl, xs):
-    """gw (fp32) += dl^T @ xs for bf16/fp16 dl and xs, summed in fp32 inside the matmul where torch has one (CUDA),
-    else through a product in their dtype."""
-    if gw.device.type == "cuda":
-        return torch.addmm(gw, dl.t(), xs, out_dtype=torch.float32, out=gw)
+    """gw (fp32) += dl^T @ xs for bf16/fp16 dl and xs, summed in fp32 inside the matmul where torch has one
+    (aten::addmm.dtype_out, on CUDA), else through a product in their dtype."""
+    mixed = getattr(torch.ops.aten.addmm, "dtype_out", None)  # from torch 2.14 on; CUDA kernels only
+    if gw.device.type == "cuda" and mixed is not None:
+        return mixed(gw, dl.t(), xs, torch.float32, out=gw)
     return gw.add_((dl.t() @ xs).float())
 
 
