@@ -338,7 +338,7 @@ def plot(base: str, rows: list[dict]) -> None:
         ax.set_ylabel("fastops speed-up over the best compiled peer")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"fastops.linear_cross_entropy vs min(torch.compile, + auto-chunker), bf16, {base}")
+    fig.suptitle(f"fastops.linear_cross_entropy vs min(torch.compile, + auto-chunker), bf16: {os.path.basename(base)}")
     fig.tight_layout()
     fig.savefig(base + ".png", dpi=110)
     print("wrote", base + ".png")
