@@ -111,7 +111,7 @@ def main() -> None:
         worker(a)
         return
     base = common.result_base(a.out)
-    rows, start = [], time.time()
+    rows, start, started = [], time.time(), time.strftime("%Y-%m-%d %H:%M:%S")
     for n in a.n:
         for h in a.h:
             for v in a.v:
@@ -122,7 +122,7 @@ def main() -> None:
         w = csv.DictWriter(f, fieldnames=FIELDS)
         w.writeheader()
         w.writerows(rows)
-    meta = {"command": "python " + " ".join(sys.argv), "start": time.strftime("%Y-%m-%d %H:%M:%S"),
+    meta = {"command": "python " + " ".join(sys.argv), "start": started,
             "wall_s": round(time.time() - start), "load_end": round(os.getloadavg()[0], 2),
             "hardware": common.hardware("cpu").rsplit(" x", 1)[0],
             "machine": f"{platform.node()} ({os.cpu_count()} cpus)",
