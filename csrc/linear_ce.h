@@ -31,9 +31,9 @@ struct CeBackend {
   bool rows_take_half;      // the row pass reads fp16 buffers itself (else they are widened to fp32 first)
 };
 
-// The rows a chunk holds: the whole batch of labeled rows where its logits fit the budget (one chunk: every
-// matmul at its full size, grad_weight straight out of one matmul), else the most that fit beside the fp32
-// grad_weight accumulator, at least kCeMinRows. fastops/_lce.py's chunk_rows() is the same function.
+// The rows a chunk holds: equal chunks of at most 512 rows, or all labeled rows in one where those chunks and the
+// fp32 grad_weight accumulator they need (4VH bytes, bf16/fp16 with a trainable head) would hold more than half of
+// the whole batch's logits. fastops/_lce.py's chunk_rows() is the same function (measured there).
 int64_t ce_chunk_rows(int64_t m, int64_t h, int64_t v, int64_t itemsize, bool grad_weight);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_forward(

@@ -7,14 +7,18 @@ rounds them), one row pass computes in fp32 the log-sum-exp, the loss and, in pl
 more matmuls turn that into the chunk's rows of grad_x and its share of grad_weight. Three matmuls of 2 N V H each,
 the least there is: recomputing the logits in the backward would be a fourth.
 
-The chunk. The fewer the chunks the better every matmul runs (grad_weight's inner dimension is the chunk's rows),
-and one chunk needs no grad_weight accumulator at all: grad_weight comes straight out of one matmul that sums in
-fp32 and rounds once, as torch's own. So the whole batch of labeled rows is one chunk while its logits fit
-CHUNK_BUDGET bytes (or while chunks would not hold less, the accumulator counted); beyond that, chunks of at least
-MIN_CHUNK_ROWS add grad_weight up in an fp32 accumulator (on the CPU inside MKL's bf16 x bf16 -> fp32 matmul).
-Measured on the 2-core Xeon (AMX), 1 thread, bf16, N=4096, H=256, V=32000, forward + backward: one chunk 638 ms,
-chunks of 1024 rows 851, of 512 839, of 256 770 (eager 1743). One chunk holds 2 bytes a logit, a third of
-eager's ~6: the memory a caller can trade back with ``chunk_rows``.
+The chunk. grad_weight's inner dimension is the chunk's rows, so chunks must not be small; one chunk needs no
+grad_weight accumulator (grad_weight straight out of one matmul that sums in fp32 and rounds once, as torch's
+own), several of bf16/fp16 add it up in a 4VH-byte fp32 one (on the CPU inside MKL's bf16 x bf16 -> fp32 matmul).
+So the labeled rows go in equal chunks of at most CHUNK_ROWS, except where the accumulator and one such chunk
+would hold more than half of the whole batch's logits: then in one chunk. Measured on the 2-core Xeon (AMX), 1
+thread, bf16, every row labeled, load 5-6 (benchmarks/bench_loss_chunks.py, results/loss_chunks.csv): at N=4096,
+H=256, V=32000 chunks of 512 rows take 0.87x one chunk's time (1024: 0.81x, 256: 1.13x) and hold 80 MiB instead of
+266 (eager 732: 0.11x), frozen head 0.93x the time, 50 MiB instead of 271; at N=1024 the trainable head's one chunk
+stays (chunks of 512: 1.12x the time for the same 80 MiB, eager 171), the frozen head's chunks of 512 take 0.97x
+the time and 49 MiB instead of 82 (eager 187). Where N is under about 4H + 1024 with a trainable head the
+accumulator alone outweighs what chunking saves, so no chunking meets "15% of eager's memory" there; a caller can
+still trade speed for memory with ``chunk_rows``.
 
 When a gradient is wanted and the reduction is mean or sum, the forward computes it in the same chunk pass (as
 Liger does) and the backward only scales it by the incoming scalar, or hands it over as it is when that scalar is
@@ -34,25 +38,22 @@ import torch
 from . import _ops  # noqa: F401  (registers torch.ops.fastops.linear_cross_entropy* from fastops/_specs)
 from ._specs.linear_ce import MEAN, NONE, OP, REDUCTIONS, loss_dtype
 
-# Logit bytes one chunk may hold, and the fewest rows a chunk of a larger batch gets (csrc/cpu/linear_ce.cpp's
-# ce_chunk_rows() is the same function). See the module docstring and benchmarks/bench_loss.py.
-CHUNK_BUDGET = 1 << 30
-MIN_CHUNK_ROWS = 1024
+# The rows of a chunk where the op chunks (csrc/cpu/linear_ce.cpp's ce_chunk_rows() is the same function). See the
+# module docstring and benchmarks/results/loss_chunks.csv.
+CHUNK_ROWS = 512
 
 
 def chunk_rows(m: int, h: int, v: int, itemsize: int, grad_weight: bool) -> int:
     """Rows of logits held at once for ``m`` labeled rows of a (V=v, H=h) head (the op's choice for chunk_rows=0):
-    all of them while their logits fit CHUNK_BUDGET bytes or chunking would not hold less (several chunks of
-    bf16/fp16 add grad_weight up in a 4VH-byte fp32 accumulator), else equal chunks of at least MIN_CHUNK_ROWS."""
-    if m <= 0:
-        return 1
+    equal chunks of at most CHUNK_ROWS, or all rows in one where chunks would not hold at most half of their logits
+    (several chunks of bf16/fp16 add grad_weight up in a 4VH-byte fp32 accumulator)."""
+    if m <= CHUNK_ROWS:
+        return max(m, 1)
     row_bytes = max(v, 1) * itemsize
-    one_chunk = m * row_bytes
     acc = 4 * v * h if grad_weight and itemsize < 4 else 0
-    if one_chunk <= CHUNK_BUDGET or acc + MIN_CHUNK_ROWS * row_bytes >= one_chunk:
+    if 2 * (acc + CHUNK_ROWS * row_bytes) > m * row_bytes:
         return m
-    rows = max(MIN_CHUNK_ROWS, (CHUNK_BUDGET - min(acc, CHUNK_BUDGET)) // row_bytes)
-    chunks = -(-m // rows)
+    chunks = -(-m // CHUNK_ROWS)
     return -(-m // chunks)  # chunks of equal size: no short last one
 
 

@@ -31,18 +31,16 @@ constexpr char kOp[] = "fastops.linear_cross_entropy";
 constexpr int64_t kVocabBlock = 8192;
 }  // namespace
 
-// See linear_ce.h. The budget and the floor are fastops/_lce.py's CHUNK_BUDGET and MIN_CHUNK_ROWS (measured there).
+// See linear_ce.h. kCeChunkRows is fastops/_lce.py's CHUNK_ROWS (measured there).
 int64_t ce_chunk_rows(int64_t m, int64_t h, int64_t v, int64_t itemsize, bool grad_weight) {
-  constexpr int64_t kBudget = int64_t(1) << 30;
-  constexpr int64_t kMinRows = 1024;
-  if (m <= 0) return 1;
+  constexpr int64_t kCeChunkRows = 512;
+  if (m <= kCeChunkRows) return std::max<int64_t>(m, 1);
   const int64_t row_bytes = std::max<int64_t>(v, 1) * itemsize;
-  const int64_t one_chunk = m * row_bytes;
-  // Several chunks of bf16/fp16 add grad_weight up in an fp32 accumulator of 4VH bytes (fp32 grads are their own).
+  // Several chunks of bf16/fp16 add grad_weight up in an fp32 accumulator of 4VH bytes (fp32 grads are their own):
+  // chunk only where that and one chunk hold at most half of the whole batch's logits.
   const int64_t acc = grad_weight && itemsize < 4 ? 4 * v * h : 0;
-  if (one_chunk <= kBudget || acc + kMinRows * row_bytes >= one_chunk) return m;
-  const int64_t rows = std::max(kMinRows, (kBudget - std::min(acc, kBudget)) / row_bytes);
-  const int64_t chunks = (m + rows - 1) / rows;
+  if (2 * (acc + kCeChunkRows * row_bytes) > m * row_bytes) return m;
+  const int64_t chunks = (m + kCeChunkRows - 1) / kCeChunkRows;
   return (m + chunks - 1) / chunks;  // chunks of equal size: no short last one
 }
 
