@@ -1,34 +1,68 @@
-"""The LM-head loss alone, forward + backward: ``F.cross_entropy(F.linear(x, W), target)`` eager, the same two
-lines under ``torch.compile``, and ``fastops.linear_cross_entropy``; bf16, N = 2048 rows (B8 x L256), H = 256,
-V = 32000, no bias, with 15% of the rows labeled (masked LM) and all of them (causal LM).
+"""The LM-head loss alone, forward + backward, over a grid of shapes: ``F.cross_entropy(F.linear(x, W), target)``
+eager, the same two lines under ``torch.compile``, under ``torch.compile`` with inductor's auto-chunker
+(``torch._inductor.config.auto_chunker.enable``), and ``fastops.linear_cross_entropy``; bf16, no bias.
 
-Each provider runs in its own process (common.in_fresh_process), so compile caches, allocator state and peak
-memory are its own (timing and memory in separate processes, see below); the providers take turns, ``--rounds``
-processes each, and a row holds the samples of all of its rounds, so drift on a shared machine hits them alike.
-Peak extra memory: the process's peak RSS (VmHWM, reset through /proc/self/clear_refs) during
-one forward + backward, less its RSS before it, after warm-up, in a process of its own where glibc is held to mmap
-every block of 64 KiB and more (MALLOC_MMAP_THRESHOLD_), so freed buffers leave the RSS and the next call's peak
-is its own. The timing processes keep glibc's default, as training runs it: with the threshold fixed every buffer
-is a fresh mapping and pays its page faults, which hits the chunked op hardest (all rows labeled, one process,
-1 thread: fastops 1889 ms against eager's 1769 with the fixed threshold, 1388 against 1789 with the default). The
-gradients of x and W the call creates are part of every provider's figure. A "gemm" worker times ATen's bf16
-matmul of the three shapes the loss needs (logits, grad_x, grad_W) alone: the ceiling of a loss made of them.
+A point is (threads, N, H, V); each point runs four cases: 15% or all of the rows labeled (masked / causal LM),
+the head trainable or frozen (weight.requires_grad False: LoRA, a frozen tied embedding). Each provider runs in
+its own process (compile caches, allocator state and peak memory its own), the providers taking turns for
+``--rounds`` rounds, so drift on a shared machine hits them alike; at 1 thread the time is the main thread's CPU
+time (steadier under load), at more the wall time. A "gemm" process times ATen's bf16 matmul of the three shapes
+the loss needs (logits N x H @ H x V, grad_x N x V @ V x H, grad_W V x N @ N x H) and of 2048 x 1024 @ 1024 x 4096
+(the machine's bf16 GEMM peak) in the same rounds. Peak extra memory: the process's peak RSS during one forward +
+backward less its RSS before it, after warm-up, in a process of its own where glibc maps every block of 64 KiB
+and more (MALLOC_MMAP_THRESHOLD_), so freed buffers leave the RSS (the timing processes keep glibc's default, as
+training runs it); the gradients the call returns are part of every provider's figure.
 
-    python benchmarks/bench_loss.py                      # 1 thread, writes results/loss_cpu_1t.*
-    python benchmarks/bench_loss.py --threads 2 --out loss_cpu_2t
+One CSV row per (point, case), appended as each point finishes: a run can be stopped and resumed (points already
+in the file are skipped) and any subset of the grid run (--n/--h/--v/--threads lists). Columns:
+  threads, n, h, v, labeled_pct, frozen_head     the case
+  ms_<provider>                                  ms of forward + backward: the median at 1 thread (CPU time), the
+                                                 least of the samples at more (wall time)
+  speedup_best_peer                              min(ms_compile, ms_chunker) / ms_fastops
+  speedup_eager                                  ms_eager / ms_fastops
+  frozen_speedup                                 (frozen rows) fastops' ms with the head trainable / frozen
+  mem_<provider>_mib                             peak extra MiB (empty where not measured: --mem-threads)
+  mem_vs_eager                                   mem_fastops_mib / mem_eager_mib
+  mem_floor_mib                                  the gradients the call returns (2VH unless frozen, + 2NH bytes)
+  gemm_<shape>_gflops, peak_gflops               ATen's rate of each shape, and of the peak matmul
+  floor_ms                                       the case's matmuls over all N rows (3, or 2 with a frozen head,
+                                                 of 2NHV) at the best of the three shapes' rates: eager's floor
+  fastops_floor_ms                               the same for the rows fastops computes (the labeled ones)
+  fastops_pct_peak                               100 * fastops' matmul FLOPs / ms / peak_gflops
+  load1                                          the 1-minute load average when the point started
+
+    python benchmarks/bench_loss.py --n 1024 --h 256 --v 32000 --threads 1 --out loss_dev   # one point
+    python benchmarks/bench_loss.py --out loss_grid --lock /tmp/fastops-bench.lock          # the whole grid
+    python benchmarks/bench_loss.py --out loss_grid --report    # per-target summary (.md) and the plot (.png)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import csv
+import fcntl
 import gc
+import json
 import os
+import platform
+import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-PROVIDERS = ("eager", "compile", "fastops")
+GRID = {"n": (1024, 4096), "h": (256, 1024, 2048), "v": (8000, 32000, 128256, 151936), "threads": (1, 2)}
+PROVIDERS = ("eager", "compile", "chunker", "fastops")
+PEERS = ("compile", "chunker")
+CASES = [(labeled, frozen) for labeled in (15, 100) for frozen in (False, True)]
+SHAPES = ("logits", "grad_x", "grad_w")
+FIELDS = ["threads", "n", "h", "v", "labeled_pct", "frozen_head", *(f"ms_{p}" for p in PROVIDERS),
+          "speedup_best_peer", "speedup_eager", "frozen_speedup", *(f"mem_{p}_mib" for p in PROVIDERS), "mem_vs_eager",
+          "mem_floor_mib", *(f"gemm_{s}_gflops" for s in SHAPES), "peak_gflops", "floor_ms", "fastops_floor_ms",
+          "fastops_pct_peak", "load1"]  # fmt: skip
+SECONDS_PER_CASE = 12.0  # timed seconds a provider spends on one case per round (at least one call)
 
 
 def _status_kib(field: str) -> int:
@@ -45,122 +79,294 @@ def _peak_extra_mib(fn) -> float:
     return (_status_kib("VmHWM") - before) / 1024
 
 
-def _inputs(args, labeled: float):
+def _clock(threads: int):
+    return time.thread_time if threads == 1 else time.perf_counter
+
+
+def _samples(fn, threads: int, repeats: int, warmup: int) -> list[float]:
+    clock, out = _clock(threads), []
+    for i in range(warmup + repeats):
+        start = clock()
+        fn()
+        if i >= warmup:
+            out.append(1e3 * (clock() - start))
+    return out
+
+
+def _inputs(n, h, v, labeled_pct, frozen):
     import torch
 
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(args.n, args.h, generator=g)).bfloat16().requires_grad_()
-    w = (torch.randn(args.v, args.h, generator=g) / args.h**0.5).bfloat16().requires_grad_()
-    t = torch.randint(0, args.v, (args.n,), generator=g)
-    t[torch.rand(args.n, generator=g) >= labeled] = -100
+    x = torch.randn(n, h, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, generator=g) / h**0.5).bfloat16().requires_grad_(not frozen)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[torch.rand(n, generator=g) >= labeled_pct / 100] = -100
     return x, w, t
 
 
-def worker(args) -> None:
+def worker(a) -> None:
     import torch
     import torch.nn.functional as F
 
-    torch.set_num_threads(args.threads)
-    out = {"rows": [], "peak_extra_mib": {}, "flop": {}}
-    if args.provider == "gemm":
-        x, w, _ = _inputs(args, 1.0)
-        x, w = x.detach(), w.detach()
-        dl = torch.randn(args.n, args.v).bfloat16()
-        out["flop"] = {f"aten_mm_{k}": 2 * args.n * args.v * args.h for k in ("logits", "grad_x", "grad_w")}
-        shapes = {"logits": lambda: x @ w.t(), "grad_x": lambda: dl @ w, "grad_w": lambda: dl.t() @ x}
-        for name, fn in shapes.items():
-            s = common.time_samples(fn, "cpu", args.repeats, warmup=2)
-            out["rows"].append(["loss_gemm", f"aten_mm_{name}", args.size, s])
+    torch.set_num_threads(a.threads)
+    out = {}
+    if a.worker == "gemm":
+        x, w, _ = _inputs(a.n, a.h, a.v, 100, True)
+        x, dl = x.detach(), torch.randn(a.n, a.v).bfloat16()
+        p, q = torch.randn(2048, 1024).bfloat16(), torch.randn(1024, 4096).bfloat16()
+        calls = {"logits": lambda: x @ w.t(), "grad_x": lambda: dl @ w, "grad_w": lambda: dl.t() @ x,
+                 "peak": lambda: p @ q}
+        for name, fn in calls.items():
+            out[name] = _samples(fn, a.threads, a.repeats if name != "peak" else 5, 1)
         common.reply(out)
         return
+    if a.worker == "chunker":
+        torch._inductor.config.auto_chunker.enable = True
     import fastops
-
-    out["backend"] = fastops._backend.active("cpu")
 
     def loss_fn(x, w, t):
         return F.cross_entropy(F.linear(x, w), t)
 
-    fn = {"eager": loss_fn, "compile": torch.compile(loss_fn),
-          "fastops": lambda x, w, t: fastops.linear_cross_entropy(x, w, t)}[args.provider]
-    for labeled in (0.15, 1.0):
-        x, w, t = _inputs(args, labeled)
+    fn = {"eager": loss_fn, "compile": torch.compile(loss_fn), "chunker": torch.compile(loss_fn),
+          "fastops": lambda x, w, t: fastops.linear_cross_entropy(x, w, t)}[a.worker]
+    for labeled, frozen in CASES:
+        x, w, t = _inputs(a.n, a.h, a.v, labeled, frozen)
 
         def step():
             x.grad = w.grad = None
             fn(x, w, t).backward()
 
-        key = f"{args.size}_labeled{int(labeled * 100)}"
-        if args.mem:
+        key = f"{labeled}:{int(frozen)}"
+        big = 6 * a.n * a.h * a.v > 2e12  # seconds a call: one measured call after one warm-up
+        if a.mem:
             step()
-            step()
+            if a.worker in PEERS or not big:
+                step()
             x.grad = w.grad = None
-            out["peak_extra_mib"][key] = round(min(_peak_extra_mib(step) for _ in range(2)), 1)
-            continue
-        s = common.time_samples(step, "cpu", args.repeats, warmup=3)
-        rows = int((t != -100).sum())
-        out["flop"][key] = 6 * (rows if args.provider == "fastops" else args.n) * args.v * args.h
-        out["rows"].append(["loss", args.provider, key, s])
+            out[key] = round(min(_peak_extra_mib(step) for _ in range(1 if big else 2)), 1)
+        else:
+            out[key] = _samples(step, a.threads, a.repeats, 2 if a.worker in PEERS else 1)
     common.reply(out)
+
+
+def _point_args(threads, n, h, v, repeats) -> list[str]:
+    return ["--threads", str(threads), "--n", str(n), "--h", str(h), "--v", str(v), "--repeats", str(repeats)]
+
+
+def run_point(threads, n, h, v, rounds, mem) -> list[dict]:
+    flop = 6 * n * h * v
+    repeats = max(1 if threads == 1 else 2, min(4, int(SECONDS_PER_CASE / (flop / 300e9))))  # ~300 GFLOP/s
+    load1 = round(os.getloadavg()[0], 2)
+    base = _point_args(threads, n, h, v, repeats)
+    mib: dict[str, dict] = {}
+    if mem:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        try:
+            for p in PROVIDERS:
+                mib[p] = common.in_fresh_process(__file__, [*base, "--worker", p, "--mem"])
+        finally:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+    samples: dict = {}
+    for _ in range(rounds):
+        for p in ("gemm", *PROVIDERS):
+            res = common.in_fresh_process(__file__, [*base, "--worker", p])
+            for key, s in res.items():
+                samples.setdefault((p, key), []).extend(s)
+    # 1 thread: the median of the main thread's CPU time. More threads: wall time, where another job on the
+    # machine only ever adds (a preempted thread holds up every barrier of the others): the least of the samples.
+    stat = statistics.median if threads == 1 else min
+    med = {k: stat(s) for k, s in samples.items()}
+    rate = {s: 2 * n * h * v / (med[("gemm", s)] * 1e6) for s in SHAPES}
+    peak = 2 * 2048 * 1024 * 4096 / (med[("gemm", "peak")] * 1e6)
+    best = max(rate.values())
+    rows = []
+    for labeled, frozen in CASES:
+        key = f"{labeled}:{int(frozen)}"
+        ms = {p: med[(p, key)] for p in PROVIDERS}
+        mats = 2 if frozen else 3
+        rows_computed = n if labeled == 100 else round(n * labeled / 100)  # fastops drops the ignored rows
+        row = {"threads": threads, "n": n, "h": h, "v": v, "labeled_pct": labeled, "frozen_head": int(frozen),
+               **{f"ms_{p}": round(ms[p], 2) for p in PROVIDERS},
+               "speedup_best_peer": round(min(ms[p] for p in PEERS) / ms["fastops"], 3),
+               "speedup_eager": round(ms["eager"] / ms["fastops"], 3),
+               "frozen_speedup": round(med[("fastops", f"{labeled}:0")] / ms["fastops"], 3) if frozen else "",
+               **{f"mem_{p}_mib": mib[p][key] if mem else "" for p in PROVIDERS},
+               "mem_vs_eager": round(mib["fastops"][key] / mib["eager"][key], 3) if mem else "",
+               "mem_floor_mib": round(((0 if frozen else 2 * v * h) + 2 * n * h) / 2**20, 1),
+               **{f"gemm_{s}_gflops": round(rate[s], 1) for s in SHAPES}, "peak_gflops": round(peak, 1),
+               "floor_ms": round(mats * 2 * n * h * v / (best * 1e6), 2),
+               "fastops_floor_ms": round(mats * 2 * rows_computed * h * v / (best * 1e6), 2),
+               "fastops_pct_peak": round(100 * mats * 2 * rows_computed * h * v / (ms["fastops"] * 1e6) / peak, 1),
+               "load1": load1}  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def _done(path: str) -> set[tuple]:
+    if not os.path.exists(path):
+        return set()
+    with open(path, newline="") as f:
+        return {tuple(int(r[k]) for k in ("threads", "n", "h", "v")) for r in csv.DictReader(f)}
+
+
+@contextlib.contextmanager
+def _locked(path):
+    """The benchmark lock for one point (its providers' rounds run back to back), or nothing: a grid of hours
+    takes the lock point by point, so other benchmarks on the machine can run between points."""
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def measure(a) -> None:
+    base = common.result_base(a.out)
+    path = base + ".csv"
+    done = _done(path)
+    points = sorted(((t, n, h, v) for t in a.threads for n in a.n for h in a.h for v in a.v),
+                    key=lambda p: (p[1] * p[2] * p[3], p[0]))  # cheapest first: a cut-short run covers the most
+    todo = [p for p in points if p not in done]
+    print(f"{len(points) - len(todo)} of {len(points)} points already in {path}; {len(todo)} to run", flush=True)
+    meta_path = base + ".json"
+    meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {"runs": []}
+    meta["hardware"] = common.hardware("cpu").rsplit(" x", 1)[0]
+    meta["machine"] = f"{platform.node()} ({os.cpu_count()} cpus)"
+    meta["columns"] = __doc__[__doc__.index("  threads,"):__doc__.index("\n\n    python")]
+    run = {"command": " ".join(sys.argv), "start": time.strftime("%Y-%m-%d %H:%M:%S"), "points": len(todo)}
+    meta["runs"].append(run)
+    start = time.time()
+    for threads, n, h, v in todo:
+        with _locked(a.lock):
+            t0 = time.time()
+            rows = run_point(threads, n, h, v, a.rounds, threads in a.mem_threads)
+            took = time.time() - t0
+        new = not os.path.exists(path)
+        with open(path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS)
+            if new:
+                w.writeheader()
+            w.writerows(rows)
+        for r in rows:
+            print(f"t{threads} N{n} H{h} V{v} lab{r['labeled_pct']} frozen{r['frozen_head']}: "
+                  + " ".join(f"{p} {r[f'ms_{p}']:.0f}" for p in PROVIDERS)
+                  + f" | x{r['speedup_best_peer']} best peer, x{r['speedup_eager']} eager, mem {r['mem_vs_eager']}",
+                  flush=True)
+        print(f"  point took {took:.0f} s, load {os.getloadavg()[0]:.2f}", flush=True)
+        run["wall_s"] = round(time.time() - start)
+        run["load_end"] = round(os.getloadavg()[0], 2)
+        json.dump(meta, open(meta_path, "w"), indent=1)
+    report(a)
+
+
+def report(a) -> None:
+    """Per target: the points met, not met, and ruled out by the measured floors; then the plot."""
+    base = common.result_base(a.out)
+    with open(base + ".csv", newline="") as f:
+        rows = [{k: (float(x) if x not in ("",) else None) for k, x in r.items()} for r in csv.DictReader(f)]
+    tally: dict[str, dict[str, list]] = {}
+
+    def verdict(target, name, ok, ruled_out=False):
+        tally.setdefault(target, {"met": [], "not met": [], "ruled out": []})
+        tally[target]["met" if ok else "ruled out" if ruled_out else "not met"].append(name)
+
+    for r in rows:
+        name = (f"t{r['threads']:.0f} N{r['n']:.0f} H{r['h']:.0f} V{r['v']:.0f} lab{r['labeled_pct']:.0f}"
+                f"{' frozen' if r['frozen_head'] else ''}")
+        if r["labeled_pct"] == 100:
+            verdict("all labeled >= 1.0x best peer", name, r["speedup_best_peer"] >= 1.0)
+            # Eager within 1.2x of its matmuls' floor: 1.2x eager would need less than the floor.
+            verdict("all labeled >= 1.2x eager", name, r["speedup_eager"] >= 1.2, r["ms_eager"] < 1.2 * r["floor_ms"])
+        else:
+            verdict("15% labeled >= 1.5x best peer", name, r["speedup_best_peer"] >= 1.5)
+        if r["frozen_head"]:
+            verdict("frozen head >= 1.3x trainable", name, r["frozen_speedup"] >= 1.3)
+        if r["mem_vs_eager"] is not None:
+            verdict("extra memory <= 15% of eager's", name, r["mem_vs_eager"] <= 0.15,
+                    r["mem_floor_mib"] > 0.15 * r["mem_eager_mib"])
+    lines = [f"# {os.path.basename(base)}: fastops.linear_cross_entropy against its peers, per target", ""]
+    for target, t in tally.items():
+        lines.append(f"- {target}: met {len(t['met'])}, not met {len(t['not met'])}, ruled out {len(t['ruled out'])}")
+        lines += [f"  - {k}: {', '.join(t[k])}" for k in ("not met", "ruled out") if t[k]]
+    lines += ["", "Per point (ms: see the CSV; mem: MiB; floor: the gradients the call returns; fastops' design: "
+              "its logits, 2 B each, the weight's copy where rows >= 4 H, the fp32 accumulator where chunked).", "",
+              "| threads | N | H | V | labeled | head | x best peer | x eager | x frozen | eager / floor | "
+              "fastops % peak | mem fastops | mem eager | mem floor | fastops design |", "|" + "---|" * 15]
+    from fastops._lce import chunk_rows
+
+    for r in rows:
+        m = r["n"] if r["labeled_pct"] == 100 else round(r["n"] * r["labeled_pct"] / 100)
+        n, h, v, trained = int(r["n"]), int(r["h"]), int(r["v"]), not r["frozen_head"]
+        rows_held = chunk_rows(m, h, v, 2, trained)
+        design = 2 * rows_held * v + (2 * v * h if m >= 4 * h else 0) + (2 * v * h if trained else 0)
+        design += 4 * v * h if trained and rows_held < m else 0
+        cells = [f"{r['threads']:.0f}", f"{r['n']:.0f}", f"{r['h']:.0f}", f"{r['v']:.0f}", f"{r['labeled_pct']:.0f}%",
+                 "frozen" if r["frozen_head"] else "trained", f"{r['speedup_best_peer']:.2f}", f"{r['speedup_eager']:.2f}",
+                 f"{r['frozen_speedup']:.2f}" if r["frozen_speedup"] else "", f"{r['ms_eager'] / r['floor_ms']:.2f}",
+                 f"{r['fastops_pct_peak']:.0f}", *(f"{r[k]:.0f}" if r[k] is not None else "" for k in
+                 ("mem_fastops_mib", "mem_eager_mib", "mem_floor_mib")), f"{(design + 2 * n * h) / 2**20:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines[: lines.index("") + 1 + 2 * len(tally)]))
+    print("wrote", base + ".md")
+    plot(base, rows)
+
+
+def plot(base: str, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(15, 9), sharey=False)
+    for ax, (labeled, frozen) in zip(axes.flat, CASES):
+        sel = [r for r in rows if r["labeled_pct"] == labeled and bool(r["frozen_head"]) == frozen]
+        shapes = sorted({(r["n"], r["h"], r["v"]) for r in sel}, key=lambda s: s[0] * s[1] * s[2])
+        for threads, marker in ((1, "o"), (2, "s")):
+            ys = {(r["n"], r["h"], r["v"]): r["speedup_best_peer"] for r in sel if r["threads"] == threads}
+            xs = [i for i, s in enumerate(shapes) if s in ys]
+            ax.plot(xs, [ys[shapes[i]] for i in xs], marker, label=f"{threads} thread(s)")
+        ax.axhline(1.5 if labeled == 15 else 1.0, color="red", lw=0.8, ls="--", label="target")
+        ax.set_xticks(range(len(shapes)))
+        ax.set_xticklabels([f"N{n:.0f} H{h:.0f}\nV{v:.0f}" for n, h, v in shapes], fontsize=6, rotation=90)
+        ax.set_title(f"{labeled}% labeled, head {'frozen' if frozen else 'trainable'}")
+        ax.set_ylabel("fastops speed-up over the best compiled peer")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"fastops.linear_cross_entropy vs min(torch.compile, + auto-chunker), bf16: {os.path.basename(base)}")
+    fig.tight_layout()
+    fig.savefig(base + ".png", dpi=110)
+    print("wrote", base + ".png")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--n", type=int, default=2048)
-    p.add_argument("--h", type=int, default=256)
-    p.add_argument("--v", type=int, default=32000)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, nargs="+", default=list(GRID["threads"]))
+    p.add_argument("--n", type=int, nargs="+", default=list(GRID["n"]))
+    p.add_argument("--h", type=int, nargs="+", default=list(GRID["h"]))
+    p.add_argument("--v", type=int, nargs="+", default=list(GRID["v"]))
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--providers", nargs="*", default=list(PROVIDERS))
-    p.add_argument("--out", default=None)
-    p.add_argument("--provider", help=argparse.SUPPRESS)  # set in the worker processes
+    p.add_argument("--mem-threads", type=int, nargs="*", default=[1],
+                   help="thread counts whose points also measure peak memory (it does not depend on them)")
+    p.add_argument("--out", default="loss_grid")
+    p.add_argument("--lock", default="", help="a lock file taken around each point (e.g. /tmp/fastops-bench.lock)")
+    p.add_argument("--report", action="store_true", help="only summarise and plot the CSV")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--repeats", type=int, default=3, help=argparse.SUPPRESS)
     p.add_argument("--mem", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    args.size = f"N{args.n}_H{args.h}_V{args.v}"
-    if args.provider:
-        worker(args)
-        return
-    import torch
-
-    torch.set_num_threads(args.threads)  # the rows' hardware column names the workers' thread count
-    common_args = ["--threads", str(args.threads), "--n", str(args.n), "--h", str(args.h), "--v", str(args.v),
-                   "--repeats", str(args.repeats)]
-    samples, flop, meta = {}, {}, {"peak_extra_mib": {}, "gflops": {}, "command": " ".join(sys.argv)}
-    for provider in args.providers:  # peak memory: one process each, glibc's threshold fixed (module docstring)
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-        try:
-            res = common.in_fresh_process(__file__, [*common_args, "--provider", provider, "--mem"])
-        finally:
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        meta["peak_extra_mib"].update({f"{provider}:{k}": v for k, v in res["peak_extra_mib"].items()})
-        print(provider, "peak extra MiB", res["peak_extra_mib"], flush=True)
-    for _ in range(args.rounds):
-        for provider in ["gemm", *args.providers]:
-            res = common.in_fresh_process(__file__, [*common_args, "--provider", provider])
-            for bench, prov, size, s in res["rows"]:
-                samples.setdefault((bench, prov, size), []).extend(s)
-            flop.update({(provider, k): v for k, v in res["flop"].items()})
-            if "backend" in res:
-                meta["fastops_backend"] = res["backend"]
-            print(provider, {r[2]: round(common.quantile_row(r[3])["ms"], 1) for r in res["rows"]}, flush=True)
-    rows = [common.row(bench, prov, size, s, "cpu", size_unit="config", dtype="bfloat16")
-            for (bench, prov, size), s in samples.items()]
-    for r in rows:
-        key = (r["provider"], r["size"]) if r["bench"] == "loss" else ("gemm", r["provider"])
-        meta["gflops"][f"{key[0]}:{key[1]}"] = round(flop[key] / (r["ms"] * 1e6), 1)
-    loss_rows = [r for r in rows if r["bench"] == "loss"]
-    common.speedup_vs(loss_rows, "eager")
-    common.speedup_vs(loss_rows, "compile")
-    meta["peak_extra_mib_meaning"] = ("MiB of RSS above the pre-call level at the peak of one forward + backward "
-                                      "(the grads of x and W included)")
-    meta["gflops_meaning"] = ("matmul GFLOP/s: 2 N V H per matmul (gemm rows), 6 x rows x V x H per forward + "
-                              "backward, rows = all N for eager/compile, the labeled ones for fastops")
-    base = common.write_results(args.out or f"loss_cpu_{args.threads}t", rows, meta)
-    print("wrote", base)
-    for k, v in meta["peak_extra_mib"].items():
-        print(f"peak extra {k}: {v} MiB")
-    for k, v in meta["gflops"].items():
-        print(f"GFLOP/s {k}: {v}")
+    a = p.parse_args()
+    if a.worker:
+        a.threads, a.n, a.h, a.v = a.threads[0], a.n[0], a.h[0], a.v[0]
+        worker(a)
+    elif a.report:
+        report(a)
+    else:
+        measure(a)
 
 
 if __name__ == "__main__":

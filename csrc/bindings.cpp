@@ -8,6 +8,7 @@
 #include "cpu/kernels.h"
 #include "fastops.h"
 #include "generated/op_bindings.h"
+#include "linear_ce.h"
 
 namespace py = pybind11;
 
@@ -19,7 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   fastops::def_unscale_check_(cpp, fastops::cpu::unscale_check_);
   fastops::def_grad_stats(cpp, fastops::cpu::grad_stats);
   fastops::def_checks(m.def_submodule("checks", "each op's argument check alone (csrc/cpu/checks.cpp)"));
-  fastops::cuda::register_cuda_math(m.def_submodule("cuda_math", "the CUDA kernels' math on CPU tensors (tests)"));
+  py::module_ cuda_math = m.def_submodule("cuda_math", "the CUDA kernels' math on CPU tensors (tests)");
+  fastops::cuda::register_cuda_math(cuda_math);
 
   // The 8-bit maps' fp32 constants as the kernels hold them, for the test that they are fastops/_quant.py's.
   cpp.def("quant_constants", [](bool is_signed) {
@@ -39,9 +41,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   cpp.def("cpu_cache_empty", &fastops::cpu::cpu_cache_empty, "Give every cached CPU block back to the OS.");
 
-  cpp.def("linear_ce_pass", &fastops::cpu::linear_ce_pass, py::arg("x"), py::arg("weight"), py::arg("bias"),
-          py::arg("target"), py::arg("label_smoothing"), py::arg("scale"), py::arg("grad_rows"), py::arg("with_grad"),
-          py::arg("chunk_rows") = 0, py::call_guard<py::gil_scoped_release>());
+  // linear_cross_entropy (csrc/cpu/linear_ce.cpp), and in cuda_math the same driver around the CUDA row pass's
+  // per-row math compiled for the host (csrc/cpu/ce_cuda_host.cpp), which the CPU tests run against the reference.
+  cpp.def("linear_cross_entropy", &fastops::cpu::linear_cross_entropy, py::call_guard<py::gil_scoped_release>());
+  cpp.def("linear_cross_entropy_backward", &fastops::cpu::linear_cross_entropy_backward,
+          py::call_guard<py::gil_scoped_release>());
+  cpp.def("linear_ce_chunk_rows", &fastops::ce_chunk_rows, py::arg("m"), py::arg("h"), py::arg("v"),
+          py::arg("itemsize"), py::arg("grad_weight"));
+  cuda_math.def("linear_cross_entropy", &fastops::cuda_host::linear_cross_entropy,
+                py::call_guard<py::gil_scoped_release>());
+  cuda_math.def("linear_cross_entropy_backward", &fastops::cuda_host::linear_cross_entropy_backward,
+                py::call_guard<py::gil_scoped_release>());
 
 #ifdef WITH_CUDA
   m.attr("WITH_CUDA") = true;

@@ -53,6 +53,8 @@ namespace cuda {
 void register_bindings(pybind11::module_ m);
 // The CUDA kernels' math run on CPU tensors (csrc/cuda_math.cpp), in every build.
 void register_cuda_math(pybind11::module_ m);
+// linear_cross_entropy's (csrc/cuda/linear_ce_binding.cpp), called by register_bindings.
+void register_linear_ce(pybind11::module_ m);
 }  // namespace cuda
 
 }  // namespace fastops
@@ -61,11 +63,15 @@ void register_cuda_math(pybind11::module_ m);
 
 namespace fastops {
 namespace cpu {
-// linear_cross_entropy's pass over labeled rows (csrc/cpu/linear_ce.cpp; the contract: fastops/_lce.py):
-// (loss per row in fp32, grad_x, grad_weight, grad_bias), the grads empty unless with_grad. chunk_rows <= 0: auto.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_pass(
-    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& target,
-    double label_smoothing, double scale, const std::optional<at::Tensor>& grad_rows, bool with_grad,
-    int64_t chunk_rows);
+// linear_cross_entropy and its backward on CPU tensors, with the schemas' positional signatures (semantics:
+// fastops/_specs/linear_ce.py; the driver: csrc/linear_ce.h).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
+    int64_t ignore_index, int64_t reduction, double label_smoothing, double normalizer, bool grad_x,
+    bool grad_weight, bool grad_bias, int64_t chunk_rows);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
+    const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& bias, int64_t ignore_index, int64_t reduction,
+    double label_smoothing, double normalizer, bool grad_x, bool grad_weight, bool grad_bias, int64_t chunk_rows);
 }  // namespace cpu
 }  // namespace fastops

@@ -1,286 +1,281 @@
-"""``torch.ops.fastops.linear_cross_entropy``: ``F.cross_entropy(F.linear(x, weight, bias), target, ...)`` and its
-gradients without ever holding the N x V logits.
+"""``fastops.linear_cross_entropy``: ``F.cross_entropy(F.linear(x, weight, bias), target, ...)`` and its gradients
+without the N x V logits (the op's contract: fastops/_specs/linear_ce.py).
 
-Rows whose target is ``ignore_index`` are dropped (index_select) before any matmul. The labeled rows go through
-the vocabulary in chunks of rows; a chunk's logits are one matmul (in the inputs' dtype, as ``F.linear`` rounds
-them), then one row pass computes in fp32 the log-sum-exp, the loss and, in place, the logits' gradient, which
-two more matmuls turn into the chunk's grad_x rows and its share of grad_weight (accumulated in fp32).
+How it runs. Rows whose target is ``ignore_index`` are dropped (index_select) before any matmul. The labeled rows
+go through the vocabulary in chunks of rows: a chunk's logits are one matmul (in the inputs' dtype, as ``F.linear``
+rounds them), one row pass computes in fp32 the log-sum-exp, the loss and, in place, the logits' gradient, and two
+more matmuls turn that into the chunk's rows of grad_x and its share of grad_weight. Three matmuls of 2 N V H each,
+the least there is: recomputing the logits in the backward would be a fourth.
 
-When a gradient is wanted and the reduction is mean or sum, the forward computes the gradients in the same chunk
-pass (as Liger does) and the backward only scales them by the incoming scalar: three matmuls of N x V x H
-instead of four (forward, recompute, two grads), and what is held from forward to backward is grad_x and
-grad_weight in the params' dtype, the size of the params themselves. ``reduction="none"`` cannot know each
-row's incoming gradient in the forward, so its backward (``linear_cross_entropy_backward``) recomputes the
-logits chunk by chunk.
+The chunk. grad_weight's inner dimension is the chunk's rows, so chunks must not be small; one chunk needs no
+grad_weight accumulator (grad_weight straight out of one matmul that sums in fp32 and rounds once, as torch's
+own), several of bf16/fp16 add it up in a 4VH-byte fp32 one (on the CPU inside MKL's bf16 x bf16 -> fp32 matmul).
+So the labeled rows go in equal chunks of at most CHUNK_ROWS, except where the accumulator and one such chunk
+would hold more than half of the whole batch's logits: then in one chunk. Measured on the 2-core Xeon (AMX), 1
+thread, bf16, every row labeled, load 5-6 (benchmarks/bench_loss_chunks.py, results/loss_chunks.csv): at N=4096,
+H=256, V=32000 chunks of 512 rows take 0.87x one chunk's time (1024: 0.81x, 256: 1.13x) and hold 80 MiB instead of
+266 (eager 732: 0.11x), frozen head 0.93x the time, 50 MiB instead of 271; at N=1024 the trainable head's one chunk
+stays (chunks of 512: 1.12x the time for the same 80 MiB, eager 171), the frozen head's chunks of 512 take 0.97x
+the time and 49 MiB instead of 82 (eager 187). Where N is under about 4H + 1024 with a trainable head the
+accumulator alone outweighs what chunking saves, so no chunking meets "15% of eager's memory" there; a caller can
+still trade speed for memory with ``chunk_rows``.
 
-Backends implement one function, ``linear_ce_pass(x, weight, bias, target, label_smoothing, scale, grad_rows,
-with_grad, chunk_rows) -> (loss_rows, grad_x, grad_weight, grad_bias)`` on labeled rows only (every target valid): the
-reference below, ``fastops._C.cpp`` (csrc/cpu/linear_ce.cpp) and ``fastops.kernels`` (kernels/linear_ce.py).
-A row's gradient is that of ``loss_row * scale * grad_rows[row]`` (``grad_rows`` may be None: 1).
+When a gradient is wanted and the reduction is mean or sum, the forward computes it in the same chunk pass (as
+Liger does) and the backward only scales it by the incoming scalar, or hands it over as it is when that scalar is
+1 (a CPU loss.backward(): no copy, no second V x H buffer). Only the gradients asked for are computed: a frozen
+head (weight.requires_grad False) skips grad_weight's matmul, a frozen x grad_x's. ``reduction="none"`` cannot
+know each row's incoming gradient in the forward, so its backward (``linear_cross_entropy_backward``) recomputes
+the logits chunk by chunk.
+
+The C++ backends (CPU, CUDA) run csrc/linear_ce.h's driver; the reference and the Triton backend run ``forward``
+and ``backward`` below with their own row pass (``rows``).
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from . import _backend
+from . import _ops  # noqa: F401  (registers torch.ops.fastops.linear_cross_entropy* from fastops/_specs)
+from ._specs.linear_ce import MEAN, NONE, OP, REDUCTIONS, loss_dtype
 
-REDUCTIONS = ("none", "mean", "sum")
-# Logit elements per chunk of rows, handed to every backend (chunk_rows). The matmuls want many rows: measured on
-# the 2-core Zen 5 machine (1 thread, bf16, N=2048, H=256, V=32000, forward + grads, under load from other jobs):
-# 32 rows 1664 ms, 128 rows 1438, 256 rows 1291, 512 rows 1357. Peak extra memory of forward + backward, where
-# the fp32 grad_weight accumulator (31 MiB) is fixed: 2^23 elements (262 rows) 43.3 MiB, 12% of eager's 358, at
-# 1347 ms; 2^22 (131 rows) 35.4 MiB, 9.9%, at 1437 ms (same process, interleaved). 2^22 keeps to the issue's
-# memory target (at most 10% of eager's) for 7% of the time.
-CHUNK_ELEMENTS = 1 << 22
-
-_lib = torch.library.Library("fastops", "FRAGMENT")
-_lib.define(
-    "linear_cross_entropy(Tensor x, Tensor weight, Tensor target, Tensor? bias, int ignore_index, str reduction, "
-    "float label_smoothing, bool with_grad) -> (Tensor loss, Tensor grad_x, Tensor grad_weight, Tensor grad_bias)"
-)
-_lib.define(
-    "linear_cross_entropy_backward(Tensor grad_loss, Tensor x, Tensor weight, Tensor target, Tensor? bias, "
-    "int ignore_index, str reduction, float label_smoothing) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias)"
-)
+# The rows of a chunk where the op chunks (csrc/cpu/linear_ce.cpp's ce_chunk_rows() is the same function). See the
+# module docstring and benchmarks/results/loss_chunks.csv.
+CHUNK_ROWS = 512
 
 
-def _chunk_rows(vocab: int) -> int:
-    return max(1, CHUNK_ELEMENTS // max(vocab, 1))
+def chunk_rows(m: int, h: int, v: int, itemsize: int, grad_weight: bool) -> int:
+    """Rows of logits held at once for ``m`` labeled rows of a (V=v, H=h) head (the op's choice for chunk_rows=0):
+    equal chunks of at most CHUNK_ROWS, or all rows in one where chunks would not hold at most half of their logits
+    (several chunks of bf16/fp16 add grad_weight up in a 4VH-byte fp32 accumulator)."""
+    if m <= CHUNK_ROWS:
+        return max(m, 1)
+    row_bytes = max(v, 1) * itemsize
+    acc = 4 * v * h if grad_weight and itemsize < 4 else 0
+    if 2 * (acc + CHUNK_ROWS * row_bytes) > m * row_bytes:
+        return m
+    chunks = -(-m // CHUNK_ROWS)
+    return -(-m // chunks)  # chunks of equal size: no short last one
 
 
-def _check_args(x, weight, target, bias, reduction, label_smoothing) -> None:
-    """Shape, dtype and device checks (they hold on fake tensors too, so torch.compile raises the same)."""
-    op = "fastops.linear_cross_entropy"
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor) or not isinstance(target, torch.Tensor):
-        raise TypeError(f"{op}: x, weight and target must be tensors")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise TypeError(f"{op}: x has dtype {x.dtype}; expected a floating dtype")
-    if x.dim() < 1 or weight.dim() != 2:
-        raise ValueError(f"{op}: x must be (..., H) and weight (V, H); got x {tuple(x.shape)}, "
-                         f"weight {tuple(weight.shape)}")
-    if weight.shape[1] != x.shape[-1]:
-        raise ValueError(f"{op}: x has hidden size {x.shape[-1]} but weight {tuple(weight.shape)} "
-                         f"expects {weight.shape[1]}")
-    if weight.dtype != x.dtype:
-        raise TypeError(f"{op}: weight has dtype {weight.dtype} but x has {x.dtype}; cast them to one dtype")
-    if weight.device != x.device:
-        raise ValueError(f"{op}: weight is on {weight.device} but x is on {x.device}")
-    if bias is not None:
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"{op}: bias has shape {tuple(bias.shape)}; expected ({weight.shape[0]},)")
-        if bias.dtype != x.dtype:
-            raise TypeError(f"{op}: bias has dtype {bias.dtype} but x has {x.dtype}")
-        if bias.device != x.device:
-            raise ValueError(f"{op}: bias is on {bias.device} but x is on {x.device}")
-    if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"{op}: target has dtype {target.dtype}; expected int64 class indices")
-    if target.shape != x.shape[:-1]:
-        raise ValueError(f"{op}: target has shape {tuple(target.shape)} but x {tuple(x.shape)} "
-                         f"needs {tuple(x.shape[:-1])}")
-    if target.device != x.device:
-        raise ValueError(f"{op}: target is on {target.device} but x is on {x.device}")
+def reference_rows(buf, target, row_grad, scale, eps, with_grad, loss):
+    """The row pass in torch ops (the oracle; fp64 for every backend): loss per row into ``loss`` and, with
+    ``with_grad``, ``buf`` overwritten by the gradient of loss * scale * row_grad (None: 1)."""
+    z = buf if buf.dtype in (torch.float32, torch.float64) else buf.float()
+    v = z.shape[1]
+    lse = torch.logsumexp(z, dim=1)
+    zt = z.gather(1, target[:, None]).squeeze(1)
+    # In terms of log-probabilities, as torch: (1 - eps)(lse - z_t) + eps (lse - mean z), exactly 0 at V = 1.
+    out = (1 - eps) * (lse - zt)
+    if eps:
+        out = out + eps * (lse - z.sum(1) / v)
+    loss.copy_(out)
+    if not with_grad:
+        return
+    g = torch.exp(z - lse[:, None])
+    if eps:
+        g -= eps / v
+    g.scatter_add_(1, target[:, None], torch.full_like(zt[:, None], -(1 - eps)))
+    c = torch.full_like(lse, scale) if row_grad is None else row_grad.to(z.dtype) * scale
+    buf.copy_(g * c[:, None])
 
 
-def _labeled(x2, target1, ignore_index, vocab):
-    """Row indices with a label (None when every row has one), the labeled x rows and their targets; raises on a
-    target outside [0, V) like torch (IndexError "Target 7 is out of bounds.")."""
-    keep = target1 != ignore_index
-    bad = keep & ((target1 < 0) | (target1 >= vocab))
+def _labeled(x2, t1, ignore_index, v):
+    """Row indices with a label (None when every row has one), the labeled x rows and their int64 targets; a target
+    outside [0, V) raises as torch's IndexError does."""
+    keep = t1 != ignore_index
+    bad = keep & ((t1 < 0) | (t1 >= v))
     if bool(bad.any()):
-        raise IndexError(f"fastops.linear_cross_entropy: Target {int(target1[bad][0])} is out of bounds "
-                         f"(vocabulary {vocab}).")
+        raise IndexError(f"{OP}: Target {int(t1[bad][0])} is out of bounds (vocabulary {v}).")
     if bool(keep.all()):
-        return None, x2, target1.long()
+        return None, x2.contiguous(), t1.long()
     idx = keep.nonzero().squeeze(1)
-    return idx, x2.index_select(0, idx), target1.index_select(0, idx).long()
+    return idx, x2.index_select(0, idx), t1.index_select(0, idx).long()
 
 
-_warned_missing: set[str] = set()
+def _accumulate(gw, dl, xs):
+    """gw (fp32) += dl^T @ xs for bf16/fp16 dl and xs, summed in fp32 inside the matmul where torch has one
+    (aten::addmm.dtype_out, on CUDA), else through a product in their dtype."""
+    mixed = getattr(torch.ops.aten.addmm, "dtype_out", None)  # from torch 2.14 on; CUDA kernels only
+    if gw.device.type == "cuda" and mixed is not None:
+        return mixed(gw, dl.t(), xs, torch.float32, out=gw)
+    return gw.add_((dl.t() @ xs).float())
 
 
-def _pass_for(device_type: str, dtype: torch.dtype = torch.float32):
-    name = _backend.active(device_type)
-    if name == "reference" or dtype == torch.float64:  # the kernels take fp32/bf16/fp16; fp64 is the reference's
-        return reference_pass
-    fn = getattr(_backend._chosen[device_type][1], "linear_ce_pass", None)
-    if fn is not None:
-        return fn
-    if _backend.requested(device_type) != "auto":
-        raise _backend.BackendUnavailable(f"backend {name!r} has no linear_ce_pass (rebuild fastops._C)")
-    if device_type not in _warned_missing:  # a _C built before this op: run, but say why it is slow
-        _warned_missing.add(device_type)
-        warnings.warn(f"fastops: backend {name!r} has no linear_ce_pass; linear_cross_entropy uses the reference",
-                      RuntimeWarning, stacklevel=3)
-    return reference_pass
-
-
-def reference_pass(x, weight, bias, target, label_smoothing, scale, grad_rows, with_grad, chunk_rows=0):
-    """The oracle and fallback (pure PyTorch, chunked). x: (M, H) labeled rows, target: (M,) valid classes."""
+def _pass(x, w, bias, target, row_grad, scale, eps, want_gx, want_gw, want_gb, rows_asked, rows, rows_take_half):
     m, h = x.shape
-    v = weight.shape[0]
-    loss_rows = torch.empty(m, dtype=torch.float32, device=x.device)
-    gx = torch.empty((m, h) if with_grad else (0,), dtype=x.dtype, device=x.device)
-    gw = torch.zeros((v, h) if with_grad else (0,), dtype=torch.float32, device=x.device)
-    gb = torch.zeros((v,) if with_grad and bias is not None else (0,), dtype=torch.float32, device=x.device)
-    eps = label_smoothing
-    step = chunk_rows if chunk_rows > 0 else _chunk_rows(v)
+    v = w.shape[0]
+    dtype = x.dtype
+    widen = dtype == torch.float16 and not rows_take_half
+    acc_t = loss_dtype(x)
+    with_grad = want_gx or want_gw or want_gb
+    step = min(m, rows_asked if rows_asked > 0 else chunk_rows(m, h, v, dtype.itemsize, want_gw))
+    native = dtype in (torch.float32, torch.float64)
+    loss = torch.empty(m, dtype=acc_t, device=x.device)
+    gx = torch.empty((m, h) if want_gx else (0,), dtype=dtype, device=x.device)
+    gw = None
+    gb = torch.zeros(v, dtype=acc_t, device=x.device) if want_gb else None
     for s in range(0, m, step):
-        xc, tc = x[s:s + step], target[s:s + step]
-        logits = torch.addmm(bias, xc, weight.t()) if bias is not None else xc @ weight.t()
-        z = logits.float()
-        lse = torch.logsumexp(z, dim=1)
-        zt = z.gather(1, tc[:, None]).squeeze(1)
-        # In terms of log-probabilities, as torch: (1 - eps)(lse - z_t) + eps (lse - mean z), exactly 0 at V = 1.
-        loss = (1 - eps) * (lse - zt)
-        if eps:
-            loss = loss + eps * (lse - z.sum(1) / v)
-        loss_rows[s:s + step] = loss
+        xs = x[s:s + step]
+        z = torch.addmm(bias, xs, w.t()) if bias is not None else xs @ w.t()
+        buf = z.float() if widen else z
+        rows(buf, target[s:s + step], None if row_grad is None else row_grad[s:s + step], scale, eps, with_grad,
+             loss[s:s + step])
         if not with_grad:
             continue
-        g = torch.exp(z - lse[:, None])
-        if eps:
-            g -= eps / v
-        g.scatter_add_(1, tc[:, None], torch.full_like(zt[:, None], -(1 - eps)))
-        row_scale = torch.full_like(lse, scale) if grad_rows is None else grad_rows[s:s + step].float() * scale
-        g *= row_scale[:, None]
-        dl = g.to(x.dtype)
-        gx[s:s + step] = dl @ weight
-        if x.dtype == torch.float32:
-            gw.addmm_(dl.t(), xc)
-        else:  # no mixed-dtype matmul on the CPU: the chunk's bf16/fp16 product is added in fp32
-            gw += (dl.t() @ xc).float()
-        if bias is not None:
-            gb += g.sum(0)
-    return loss_rows, gx, gw.to(weight.dtype), gb.to(weight.dtype)
+        dl = buf.to(dtype) if widen else buf
+        if want_gx:
+            torch.mm(dl, w, out=gx[s:s + step])
+        if want_gw:
+            if gw is None:  # one chunk: the matmul's own output, summed in fp32 and rounded once, as torch's
+                gw = dl.t() @ xs if step >= m or native else (dl.t() @ xs).float()
+            elif native:
+                gw.addmm_(dl.t(), xs)
+            else:
+                gw = _accumulate(gw, dl, xs)
+        if want_gb:
+            gb += buf.sum(0, dtype=acc_t)
+    return loss, gx, w.new_empty(0) if gw is None else gw.to(dtype), w.new_empty(0) if gb is None else gb.to(dtype)
 
 
-def _loss_dtype(x):
-    # The op's loss stays in its fp32 (or fp64) accumulator: the wrapper rounds it to what the caller asks for, so
-    # fused_loss under autocast gives the fp32 loss autocast's cross_entropy gives, not one rounded to bf16.
-    return torch.promote_types(x.dtype, torch.float32)
-
-
-def _forward_impl(x, weight, target, bias, ignore_index, reduction, label_smoothing, with_grad):
-    _check_args(x, weight, target, bias, reduction, label_smoothing)
+def forward(x, weight, target, bias, ignore_index, reduction, label_smoothing, normalizer, grad_x, grad_weight,
+            grad_bias, chunk_rows_, *, rows, rows_take_half=False):  # fmt: skip
+    """The op (fastops/_specs/linear_ce.py) on checked arguments, with the row pass ``rows`` (``reference_rows``'s
+    signature); ``rows_take_half``: ``rows`` reads fp16 chunks itself (else they are widened to fp32 first)."""
     h, v = x.shape[-1], weight.shape[0]
     x2, t1 = x.reshape(-1, h), target.reshape(-1)
     n = x2.shape[0]
-    with_grad = with_grad and reduction != "none"
+    none = reduction == NONE
+    grad_x, grad_weight = grad_x and not none, grad_weight and not none
+    grad_bias = grad_bias and not none and bias is not None
     idx, xl, tl = _labeled(x2, t1, ignore_index, v)
     m = xl.shape[0]
-    scale = 1.0 / m if reduction == "mean" and m else 1.0
+    denom = (normalizer if normalizer > 0 else m) if reduction == MEAN else 1
     if m:
         b = None if bias is None else bias.contiguous()
-        loss_rows, gxl, gw, gb = _pass_for(x.device.type, x.dtype)(
-            xl.contiguous(), weight.contiguous(), b, tl, float(label_smoothing), scale, None, with_grad, _chunk_rows(v))
+        loss_rows, gxl, gw, gb = _pass(xl, weight.contiguous(), b, tl, None, 1.0 / denom, label_smoothing, grad_x,
+                                       grad_weight, grad_bias, chunk_rows_, rows, rows_take_half)
     else:
-        loss_rows = x.new_zeros(0, dtype=torch.float32)
-        gxl = x.new_zeros((0, h) if with_grad else (0,))
-        gw = weight.new_zeros(weight.shape if with_grad else (0,))
-        gb = weight.new_zeros((v,) if with_grad and bias is not None else (0,))
-    if reduction == "none":
-        full = loss_rows.new_zeros(n)
-        full = loss_rows if idx is None else full.index_copy_(0, idx, loss_rows)
-        loss = full.to(_loss_dtype(x)).reshape(target.shape)
+        loss_rows, gxl = x.new_zeros(0, dtype=loss_dtype(x)), x.new_zeros(0, h)
+        gw = torch.zeros_like(weight) if grad_weight else weight.new_empty(0)
+        gb = weight.new_zeros(v) if grad_bias else weight.new_empty(0)
+    if none:
+        loss = loss_rows if idx is None else loss_rows.new_zeros(n).index_copy_(0, idx, loss_rows)
+        loss = loss.reshape(target.shape)
     else:
-        total = loss_rows.sum()
-        loss = (total / m if reduction == "mean" else total).to(_loss_dtype(x))  # mean of no rows: 0/0 = nan, as torch
-    if with_grad:
-        gx = gxl if idx is None else x2.new_zeros(n, h).index_copy_(0, idx, gxl)
-        gx = gx.reshape(x.shape)
-    else:
-        gx = x.new_empty(0)
+        loss = loss_rows.sum() / denom  # a mean over no labeled row: 0 / 0 = nan, as torch's
+    gx = x.new_empty(0)
+    if grad_x:
+        gx = (gxl if idx is None else x2.new_zeros(n, h).index_copy_(0, idx, gxl)).reshape(x.shape)
     return loss, gx, gw, gb
 
 
-def _backward_impl(grad_loss, x, weight, target, bias, ignore_index, reduction, label_smoothing):
-    _check_args(x, weight, target, bias, reduction, label_smoothing)
+def backward(grad_loss, x, weight, target, bias, ignore_index, reduction, label_smoothing, normalizer, grad_x,
+             grad_weight, grad_bias, chunk_rows_, *, rows, rows_take_half=False):  # fmt: skip
+    """linear_cross_entropy_backward on checked arguments (see ``forward``)."""
     h, v = x.shape[-1], weight.shape[0]
     x2, t1 = x.reshape(-1, h), target.reshape(-1)
+    grad_bias = grad_bias and bias is not None
     idx, xl, tl = _labeled(x2, t1, ignore_index, v)
     m = xl.shape[0]
-    if reduction == "none":
-        g = grad_loss.reshape(-1).float()
-        grad_rows, scale = (g if idx is None else g.index_select(0, idx)), 1.0
+    if m:
+        # The incoming gradient stays on its device (no host read): one factor per row.
+        if reduction == NONE:
+            g = grad_loss.reshape(-1).to(loss_dtype(x))
+            row_grad = (g if idx is None else g.index_select(0, idx)).contiguous()
+        else:
+            denom = (normalizer if normalizer > 0 else m) if reduction == MEAN else 1
+            row_grad = (grad_loss.to(loss_dtype(x)).reshape(1) / denom).expand(m).contiguous()
+        b = None if bias is None else bias.contiguous()
+        _, gxl, gw, gb = _pass(xl, weight.contiguous(), b, tl, row_grad, 1.0, label_smoothing, grad_x, grad_weight,
+                               grad_bias, chunk_rows_, rows, rows_take_half)
     else:
-        grad_rows = None
-        scale = float(grad_loss) / (m if reduction == "mean" and m else 1)
-    if not m:
-        gb = weight.new_zeros((v,) if bias is not None else (0,))
-        return x.new_zeros(x.shape), weight.new_zeros(weight.shape), gb
-    _, gxl, gw, gb = _pass_for(x.device.type, x.dtype)(xl.contiguous(), weight.contiguous(),
-                                              None if bias is None else bias.contiguous(),
-                                              tl, float(label_smoothing), scale, grad_rows, True, _chunk_rows(v))
-    gx = gxl if idx is None else x2.new_zeros(x2.shape).index_copy_(0, idx, gxl)
-    return gx.reshape(x.shape), gw, gb
+        gxl = x.new_zeros(0, h)
+        gw = torch.zeros_like(weight) if grad_weight else weight.new_empty(0)
+        gb = weight.new_zeros(v) if grad_bias else weight.new_empty(0)
+    gx = x.new_empty(0)
+    if grad_x:
+        gx = (gxl if idx is None else x2.new_zeros(x2.shape).index_copy_(0, idx, gxl)).reshape(x.shape)
+    return gx, gw, gb
 
 
-@torch.library.register_fake("fastops::linear_cross_entropy", lib=_lib)
-def _fake_forward(x, weight, target, bias, ignore_index, reduction, label_smoothing, with_grad):
-    _check_args(x, weight, target, bias, reduction, label_smoothing)
-    with_grad = with_grad and reduction != "none"
-    loss = x.new_empty(target.shape if reduction == "none" else (), dtype=_loss_dtype(x))
-    gx = x.new_empty(x.shape if with_grad else (0,))
-    gw = weight.new_empty(weight.shape if with_grad else (0,))
-    gb = weight.new_empty((weight.shape[0],) if with_grad and bias is not None else (0,))
-    return loss, gx, gw, gb
+def reference_forward(*args):
+    return forward(*args, rows=reference_rows)
 
 
-@torch.library.register_fake("fastops::linear_cross_entropy_backward", lib=_lib)
-def _fake_backward(grad_loss, x, weight, target, bias, ignore_index, reduction, label_smoothing):
-    _check_args(x, weight, target, bias, reduction, label_smoothing)
-    gb = weight.new_empty((weight.shape[0],) if bias is not None else (0,))
-    return x.new_empty(x.shape), weight.new_empty(weight.shape), gb
+def reference_backward(*args):
+    return backward(*args, rows=reference_rows)
 
 
-for _dev in _backend.DEVICE_TYPES:
-    _lib.impl("linear_cross_entropy", _forward_impl, _dev.upper())
-    _lib.impl("linear_cross_entropy_backward", _backward_impl, _dev.upper())
+# ---- autograd ---------------------------------------------------------------------------------------------------
+
+_lib = torch.library.Library("fastops", "FRAGMENT")
+_X, _W, _B = 0, 1, 3  # positions of x, weight and bias among the op's arguments
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, target, bias, ignore_index, reduction, label_smoothing, with_grad = inputs
-    _, gx, gw, gb = output
-    ctx.fused = with_grad and reduction != "none"
+    x, weight, target, bias, ignore_index, reduction, label_smoothing, normalizer, fx, fw, fb, rows_ = inputs
+    need = ctx.needs_input_grad
+    ctx.fused = reduction != NONE
     ctx.has_bias = bias is not None
-    ctx.args = (ignore_index, reduction, label_smoothing)
-    if ctx.fused:
-        ctx.save_for_backward(gx, gw, gb)
-    else:
-        ctx.save_for_backward(x, weight, target, bias)
+    ctx.args = (ignore_index, reduction, label_smoothing, normalizer)
+    ctx.rows = rows_
+    # A gradient needed that the forward was not asked for (a direct call of the op with its flag off) is
+    # recomputed by the backward op; fastops.linear_cross_entropy sets the flags from requires_grad.
+    ctx.missing = (need[_X] and not fx, need[_W] and not fw, ctx.has_bias and need[_B] and not fb)
+    _, gx, gw, gb = output
+    ctx.recompute = not ctx.fused or any(ctx.missing)
+    saved = (gx, gw, gb) if ctx.fused else ()
+    if ctx.recompute:
+        saved += (x, weight, target, bias)
+    ctx.save_for_backward(*saved)
 
 
 def _backward(ctx, grad_loss, _gx, _gw, _gb):
-    if ctx.fused:  # the forward computed the gradients of the loss; the incoming gradient is a scalar
-        gx, gw, gb = ctx.saved_tensors
-        g = grad_loss.to(gx.dtype)
-        gx, gw, gb = gx * g, gw * g, gb * g
-    else:
-        x, weight, target, bias = ctx.saved_tensors
-        gx, gw, gb = torch.ops.fastops.linear_cross_entropy_backward(grad_loss, x, weight, target, bias, *ctx.args)
-    return gx, gw, None, (gb if ctx.has_bias else None), None, None, None, None
+    need = ctx.needs_input_grad
+    want = (need[_X], need[_W], ctx.has_bias and need[_B])
+    saved = ctx.saved_tensors
+    out = [None, None, None]
+    if ctx.fused:
+        # grad_loss == 1 (a CPU loss.backward()) hands the forward's gradients over as they are: autograd then
+        # keeps them as .grad without a copy. Not while tracing (a value test) nor on a GPU (a host sync).
+        unit = not torch.compiler.is_compiling() and grad_loss.device.type == "cpu" and bool(grad_loss == 1)
+        for i, g in enumerate(saved[:3]):
+            if want[i] and not ctx.missing[i]:
+                out[i] = g if unit else g * grad_loss.to(g.dtype)
+    if ctx.recompute:
+        x, weight, target, bias = saved[-4:]
+        redo = tuple(w and (not ctx.fused or m) for w, m in zip(want, ctx.missing))
+        if any(redo):
+            got = torch.ops.fastops.linear_cross_entropy_backward(grad_loss, x, weight, target, bias, *ctx.args, *redo,
+                                                                  ctx.rows)
+            out = [g if r else o for g, r, o in zip(got, redo, out)]
+    return out[0], out[1], None, out[2], None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("fastops::linear_cross_entropy", _backward, setup_context=_setup_context, lib=_lib)
 
 
 def linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                         *, out_dtype=None):
+                         *, out_dtype=None, normalizer=None, chunk_rows=0):  # fmt: skip
     """``F.cross_entropy(F.linear(x, weight, bias), target, ignore_index=, reduction=, label_smoothing=)`` without
-    the logits. x: (..., H), weight: (V, H), bias: (V,) or None, target: (...) class indices. The loss has x's dtype
-    unless ``out_dtype`` says otherwise (torch.float32: what cross_entropy returns under autocast; the loss is
-    accumulated in fp32 either way); a mean over no labeled row is nan, as torch's. For a batch accumulated over micro-batches, take
-    ``reduction="sum"`` and divide by the labeled-row count of the whole batch."""
-    _check_args(x, weight, target, bias, reduction, label_smoothing)
-    with_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                             or (bias is not None and bias.requires_grad))
-    loss = torch.ops.fastops.linear_cross_entropy(x, weight, target, bias, int(ignore_index), reduction,
-                                                  float(label_smoothing), bool(with_grad))[0]
+    the logits. x: (..., H), weight: (V, H), bias: (V,) or None, target: (...) class indices.
+
+    The loss has x's dtype unless ``out_dtype`` says otherwise (torch.float32: what cross_entropy returns under
+    autocast; it is accumulated in fp32 either way); a mean over no labeled row is nan, as torch's. Gradients are
+    computed only for the tensors that require them (a frozen head skips grad_weight's matmul).
+
+    ``normalizer`` (reduction="mean" only): divide the sum by it instead of this call's labeled count. Gradient
+    accumulation over micro-batches passes the whole batch's labeled count, so every token weighs the same as in
+    one large batch (a float, or a tensor: read on the host). ``chunk_rows``: rows of logits held at once (0: the
+    op chooses from the shape; fewer rows hold less memory and run slower)."""
+    grad = torch.is_grad_enabled()
+    fx = grad and bool(getattr(x, "requires_grad", False))
+    fw = grad and bool(getattr(weight, "requires_grad", False))
+    fb = grad and bias is not None and bool(getattr(bias, "requires_grad", False))
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{OP}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    norm = 0.0 if normalizer is None else float(normalizer)
+    loss = torch.ops.fastops.linear_cross_entropy(x, weight, target, bias, int(ignore_index),
+                                                  REDUCTIONS.index(reduction),
+                                                  float(label_smoothing), norm, fx, fw, fb, int(chunk_rows))[0]
     return loss.to(x.dtype if out_dtype is None else out_dtype)

@@ -44,6 +44,10 @@ Semantics shared by every backend:
     ``[sum of (g * inv_scale)^2, max |g| * inv_scale, found_inf]``, accumulated in fp32 (``inv_scale``
     defaults to 1). Grads are unscaled before squaring, so a GradScaler's scale cannot overflow the sum.
     ``found_inf`` comes from the elements as they are, not from the sum overflowing.
+
+``linear_cross_entropy``, ``linear_cross_entropy_backward``
+    ``F.cross_entropy(F.linear(x, weight, bias), target)`` and the gradients asked for, without the logits: see
+    fastops/_specs/linear_ce.py (fastops/_lce.py adds the autograd rule and the user function).
 """
 
 from __future__ import annotations

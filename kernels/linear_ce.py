@@ -1,13 +1,16 @@
-"""Triton row pass of ``linear_cross_entropy`` (the contract: fastops/_lce.py). The chunk loop and its three
-matmuls are torch's (cuBLAS on a GPU, ATen under the interpreter); one program per row of a chunk computes the
-row's log-sum-exp and loss in fp32 and, with a gradient wanted, overwrites the row with the logits' gradient.
+"""Triton row pass of ``linear_cross_entropy`` (the op: fastops/_specs/linear_ce.py). The chunk loop and its three
+matmuls are fastops/_lce.py's (cuBLAS on a GPU, ATen under the interpreter); one program per row of a chunk
+computes the row's log-sum-exp and loss in fp32 and, with a gradient wanted, overwrites the row with the logits'
+gradient.
 
-Under TRITON_INTERPRET=1 (CPU tensors) the chunk is handed over in fp32: the interpreter runs numpy, which has no
+Under TRITON_INTERPRET=1 the chunk is handed over in fp32: the interpreter runs numpy, which has no
 bf16 arithmetic, so bf16/fp16 logits are cast up before and the gradient cast down after; compiled on a GPU the
-kernel loads the matmul's dtype and converts in registers.
+kernel loads the matmul's dtype (fp16 too) and converts in registers.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -16,6 +19,7 @@ import triton.language as tl
 from ._common import TL_DTYPE
 
 BLOCK = 1024
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -42,8 +46,9 @@ def _ce_rows_kernel(z_ptr, t_ptr, g_ptr, loss_ptr, v, stride, scale, eps, eps_ov
         s += tl.where(mask, tl.exp(z - m), 0.0)
     lse = m + tl.log(tl.sum(s, axis=0))
     zt = tl.load(base + t).to(tl.float32)
-    # In log-probabilities, as torch: exactly 0 at V = 1.
-    loss = (1.0 - eps) * (lse - zt) + eps * (lse - zsum * inv_v)
+    # In log-probabilities, as torch: exactly 0 at V = 1. The smoothing term only where eps != 0: a -inf logit (a
+    # banned class's bias) makes zsum -inf, and 0 * inf would be nan.
+    loss = (1.0 - eps) * (lse - zt) + tl.where(eps != 0.0, eps * (lse - zsum * inv_v), 0.0)
     tl.store(loss_ptr + row, loss)
     if WITH_GRAD:
         c = scale
@@ -66,31 +71,31 @@ def _rows(buf, target, grad_rows, loss, scale, eps, with_grad):
     )
 
 
-def linear_ce_pass(x, weight, bias, target, label_smoothing, scale, grad_rows, with_grad, chunk_rows):
-    m, h = x.shape
-    v = weight.shape[0]
-    interp = x.device.type == "cpu"
-    loss = torch.empty(m, dtype=torch.float32, device=x.device)
-    gx = torch.empty((m, h) if with_grad else (0,), dtype=x.dtype, device=x.device)
-    gw = torch.zeros((v, h) if with_grad else (0,), dtype=torch.float32, device=x.device)
-    gb = torch.zeros((v,) if with_grad and bias is not None else (0,), dtype=torch.float32, device=x.device)
-    target = target.contiguous()
-    grad_rows = None if grad_rows is None else grad_rows.float().contiguous()
-    step = max(1, chunk_rows)  # fastops/_lce.py sizes the chunks for every backend
-    for s in range(0, m, step):
-        xc = x[s:s + step]
-        logits = torch.addmm(bias, xc, weight.t()) if bias is not None else xc @ weight.t()
-        buf = logits.float() if interp or logits.dtype == torch.float16 else logits
-        _rows(buf, target[s:s + step], None if grad_rows is None else grad_rows[s:s + step], loss[s:s + step],
-              scale, label_smoothing, with_grad)
-        if not with_grad:
-            continue
-        dl = buf.to(x.dtype)
-        torch.mm(dl, weight, out=gx[s:s + step])
-        if x.dtype == torch.float32:
-            gw.addmm_(dl.t(), xc)
-        else:  # no mixed-dtype matmul on the CPU: the chunk's product is added to the fp32 accumulator
-            gw += (dl.t() @ xc).float()
-        if bias is not None:
-            gb += buf.sum(0, dtype=torch.float32)
-    return loss, gx, gw.to(weight.dtype), gb.to(weight.dtype)
+def rows(buf, target, row_grad, scale, eps, with_grad, loss):
+    """The row pass in fastops/_lce.py's signature. fp64 chunks take the reference's (no kernel takes fp64)."""
+    if buf.dtype == torch.float64:
+        from fastops import _lce  # here, not at import: this folder may also be imported as a top-level package
+
+        _lce.reference_rows(buf, target, row_grad, scale, eps, with_grad, loss)
+        return
+    row_grad = None if row_grad is None else row_grad.float().contiguous()
+    if _INTERPRETED and buf.dtype != torch.float32:  # the interpreter has no bf16/fp16 arithmetic
+        wide = buf.float()
+        _rows(wide, target.contiguous(), row_grad, loss, scale, eps, with_grad)
+        if with_grad:
+            buf.copy_(wide)
+        return
+    _rows(buf, target.contiguous(), row_grad, loss, scale, eps, with_grad)
+
+
+def linear_cross_entropy(*args):
+    """fastops/_specs/linear_ce.py's op: fastops/_lce.py's chunk loop (torch's matmuls) around this row pass."""
+    from fastops import _lce
+
+    return _lce.forward(*args, rows=rows, rows_take_half=True)
+
+
+def linear_cross_entropy_backward(*args):
+    from fastops import _lce
+
+    return _lce.backward(*args, rows=rows, rows_take_half=True)

@@ -1,17 +1,296 @@
-// linear_cross_entropy's chunk loop on the CPU (the semantics: fastops/_lce.py). The three matmuls of a chunk go
-// through ATen (oneDNN/MKL: nothing hand-written is faster), the row pass between them is ce_isa.h's,
-// vectorised for the ISA picked at load time and split over rows with at::parallel_for.
+// linear_cross_entropy: the driver every C++ backend shares (csrc/linear_ce.h) and the CPU backend's row pass
+// (ce_isa.h, vectorised for the ISA picked at load time, split over rows with at::parallel_for). The matmuls go
+// through ATen (oneDNN/MKL), and where chunks of rows must add up grad_weight, through MKL's bf16 x bf16 -> fp32
+// GEMM, which sums the product into the fp32 accumulator inside the matmul.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <tuple>
+
+#include <sys/mman.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "../linear_ce.h"
 #include "ce_kernels.h"
 #include "fastops.h"
 
+// MKL's mixed-precision GEMM (C = alpha op(A) op(B) + beta C, A and B bf16, C fp32), which torch's x86 builds link
+// in and export. Weak: a torch without it leaves the pointer null, and the driver adds bf16 products instead.
+extern "C" void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
+                                       const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
+                                       int ldc) __attribute__((weak));
+
 namespace fastops {
+
+namespace {
+constexpr char kOp[] = "fastops.linear_cross_entropy";
+// Rows of grad_weight per bf16/fp16 partial product where no fp32-accumulating matmul serves: a 4 MiB temporary
+// at H = 256 rather than one of V x H.
+constexpr int64_t kVocabBlock = 8192;
+}  // namespace
+
+// See linear_ce.h. kCeChunkRows is fastops/_lce.py's CHUNK_ROWS (measured there).
+int64_t ce_chunk_rows(int64_t m, int64_t h, int64_t v, int64_t itemsize, bool grad_weight) {
+  constexpr int64_t kCeChunkRows = 512;
+  if (m <= kCeChunkRows) return std::max<int64_t>(m, 1);
+  const int64_t row_bytes = std::max<int64_t>(v, 1) * itemsize;
+  // Several chunks of bf16/fp16 add grad_weight up in an fp32 accumulator of 4VH bytes (fp32 grads are their own):
+  // chunk only where that and one chunk hold at most half of the whole batch's logits.
+  const int64_t acc = grad_weight && itemsize < 4 ? 4 * v * h : 0;
+  if (2 * (acc + kCeChunkRows * row_bytes) > m * row_bytes) return m;
+  const int64_t chunks = (m + kCeChunkRows - 1) / kCeChunkRows;
+  return (m + chunks - 1) / chunks;  // chunks of equal size: no short last one
+}
+
+void ce_rows_aten(const at::Tensor& buf, const at::Tensor& target, const at::Tensor& row_grad, double scale,
+                  double eps, bool with_grad, const at::Tensor& loss) {
+  const int64_t v = buf.size(1);
+  const at::Tensor z = buf;
+  const at::Tensor lse = at::logsumexp(z, {1});
+  const at::Tensor zt = z.gather(1, target.unsqueeze(1)).squeeze(1);
+  // In log-probabilities, as torch: (1 - eps)(lse - z_t) + eps (lse - mean z), exactly 0 at V = 1.
+  at::Tensor l = (lse - zt) * (1 - eps);
+  if (eps != 0) l = l + (lse - z.sum(1) / double(v)) * eps;
+  loss.copy_(l);
+  if (!with_grad) return;
+  at::Tensor g = at::exp(z - lse.unsqueeze(1));
+  if (eps != 0) g.sub_(eps / double(v));
+  g.scatter_add_(1, target.unsqueeze(1), at::full({z.size(0), 1}, -(1 - eps), z.options()));
+  at::Tensor c = row_grad.defined() ? row_grad.to(z.scalar_type()) * scale : at::full({z.size(0)}, scale, z.options());
+  buf.copy_(g * c.unsqueeze(1));
+}
+
+namespace {
+
+// A CPU buffer of the driver's own (the chunk of logits, the fp32 accumulator) on transparent huge pages where
+// the kernel allows them (madvise mode, the common default): glibc maps a block this large afresh at every call,
+// and on 4 KiB pages the first touch costs a fault each. Measured on the 2-core Xeon VM: 64 MiB first touched in
+// 45-47 ms on 4 KiB pages, 21-31 ms on huge pages, 11-18 ms once touched. Elsewhere (GPU, small) at::empty.
+at::Tensor workspace(at::IntArrayRef sizes, const at::TensorOptions& opts) {
+  constexpr size_t kHuge = size_t(2) << 20;
+  int64_t numel = 1;
+  for (const int64_t d : sizes) numel *= d;
+  const size_t bytes = size_t(numel) * at::elementSize(opts.dtype().toScalarType());
+  if (!opts.device().is_cpu() || bytes < 2 * kHuge) return at::empty(sizes, opts);
+  const size_t size = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* p = nullptr;
+  if (posix_memalign(&p, kHuge, size) != 0) return at::empty(sizes, opts);
+  madvise(p, size, MADV_HUGEPAGE);  // advice only: on failure the pages are 4 KiB ones
+  return at::from_blob(p, sizes, [](void* q) { std::free(q); }, opts);
+}
+
+// The pass over labeled rows: per-row losses (fp32 or fp64) and the asked-for gradients of
+// sum_rows loss * scale * row_grad (grad_weight and grad_bias in the params' dtype).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_pass(
+    const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, const at::Tensor& target,
+    const at::Tensor& row_grad, double scale, double eps, bool want_gx, bool want_gw, bool want_gb,
+    int64_t chunk_rows, const CeBackend& backend) {
+  const int64_t m = x.size(0), h = x.size(1), v = w.size(0);
+  const at::ScalarType dtype = x.scalar_type();
+  const bool widen = dtype == at::kHalf && !backend.rows_take_half;
+  const at::ScalarType acc_t = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  const at::TensorOptions acc_opts = x.options().dtype(acc_t);
+  const bool with_grad = want_gx || want_gw || want_gb;
+  const int64_t rows = std::min(
+      m, chunk_rows > 0 ? chunk_rows : ce_chunk_rows(m, h, v, at::elementSize(dtype), want_gw));
+  const bool one_chunk = rows >= m;
+  const bool native_acc = dtype == at::kFloat || dtype == at::kDouble;
+
+  at::Tensor loss = at::empty({m}, acc_opts);
+  at::Tensor gx = want_gx ? at::empty({m, h}, x.options()) : at::empty({0}, x.options());
+  at::Tensor gw;  // one chunk: the matmul's own output; else the fp32 accumulator (params' dtype for fp32/fp64)
+  at::Tensor gb = want_gb ? at::zeros({v}, acc_opts) : at::Tensor();
+  at::Tensor logits = workspace({rows, v}, x.options());
+  at::Tensor wide = widen ? workspace({rows, v}, acc_opts) : at::Tensor();
+  // The logits' matmul reads the weight as H x V: on the CPU a contiguous copy of it runs that matmul faster than
+  // the transposed view, which pays where there are many rows per hidden unit. Measured (Xeon with AMX, 1 thread,
+  // bf16, forward + backward, the copy included): N/H = 4 and 16 at H = 256 0.90x the time, N/H = 4 at H = 1024
+  // 0.95x, N/H = 2 1.01x, N/H = 1 1.16x. It holds 2VH more bytes during the call.
+  at::Tensor wt = w.t();
+  if (x.device().is_cpu() && m >= 4 * h) {
+    at::Tensor copy = workspace({h, v}, w.options());
+    copy.copy_(wt);
+    wt = copy;
+  }
+  for (int64_t s = 0; s < m; s += rows) {
+    const int64_t r = std::min(rows, m - s);
+    const bool first = s == 0;
+    const at::Tensor xs = x.narrow(0, s, r);
+    at::Tensor z = logits.narrow(0, 0, r);
+    if (bias.has_value()) {
+      at::addmm_out(z, *bias, xs, wt);
+    } else {
+      at::mm_out(z, xs, wt);
+    }
+    at::Tensor buf = z;
+    if (widen) {
+      buf = wide.narrow(0, 0, r);
+      buf.copy_(z);
+    }
+    backend.rows(buf, target.narrow(0, s, r), row_grad.defined() ? row_grad.narrow(0, s, r) : row_grad, scale, eps,
+                 with_grad, loss.narrow(0, s, r));
+    if (!with_grad) continue;
+    if (widen) z.copy_(buf);
+    const at::Tensor& dl = z;
+    if (want_gx) {
+      at::Tensor gxs = gx.narrow(0, s, r);
+      at::mm_out(gxs, dl, w);
+    }
+    if (want_gw) {
+      if (one_chunk) {
+        gw = at::mm(dl.t(), xs);  // summed in fp32 inside the matmul and rounded once, as torch's own
+      } else if (native_acc) {
+        if (first) {
+          gw = at::mm(dl.t(), xs);
+        } else {
+          gw.addmm_(dl.t(), xs);
+        }
+      } else {
+        if (first) gw = workspace({v, h}, acc_opts);
+        if (!backend.accumulate || !backend.accumulate(gw, dl, xs, first)) {
+          for (int64_t v0 = 0; v0 < v; v0 += kVocabBlock) {
+            const int64_t vb = std::min(kVocabBlock, v - v0);
+            at::Tensor part = at::mm(dl.narrow(1, v0, vb).t(), xs);
+            at::Tensor dst = gw.narrow(0, v0, vb);
+            if (first) {
+              dst.copy_(part);
+            } else {
+              dst.add_(part);
+            }
+          }
+        }
+      }
+    }
+    if (want_gb) gb.add_(at::sum(buf, {0}, false, acc_t));
+  }
+  if (!want_gw) {
+    gw = at::empty({0}, w.options());
+  } else if (gw.scalar_type() != dtype) {
+    gw = gw.to(dtype);
+  }
+  gb = want_gb ? gb.to(dtype) : at::empty({0}, w.options());
+  return {loss, gx, gw, gb};
+}
+
+struct Labeled {
+  at::Tensor idx;  // undefined when every row has a label
+  at::Tensor x, target;
+};
+
+// The labeled rows of x (n x H) and their int64 targets; a target outside [0, V) raises as torch's IndexError.
+Labeled labeled_rows(const at::Tensor& x2, const at::Tensor& t1, int64_t ignore_index, int64_t v) {
+  int64_t n_labeled = 0, bad = 0;
+  bool has_bad = false;
+  if (t1.device().is_cpu()) {
+    const at::Tensor t = t1.to(at::kLong).contiguous();
+    const int64_t* p = t.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      if (p[i] == ignore_index) continue;
+      ++n_labeled;
+      if (!has_bad && (p[i] < 0 || p[i] >= v)) {
+        has_bad = true;
+        bad = p[i];
+      }
+    }
+  } else {
+    const at::Tensor keep = t1.ne(ignore_index);
+    const at::Tensor out = keep.logical_and(t1.lt(0).logical_or(t1.ge(v)));
+    n_labeled = keep.sum().item<int64_t>();
+    if (out.any().item<bool>()) {
+      has_bad = true;
+      bad = t1.masked_select(out)[0].item<int64_t>();
+    }
+  }
+  TORCH_CHECK_INDEX(!has_bad, kOp, ": Target ", bad, " is out of bounds (vocabulary ", v, ").");
+  if (n_labeled == t1.numel()) return {at::Tensor(), x2.contiguous(), t1.to(at::kLong).contiguous()};
+  const at::Tensor idx = t1.ne(ignore_index).nonzero().squeeze(1);
+  return {idx, x2.index_select(0, idx), t1.index_select(0, idx).to(at::kLong)};
+}
+
+at::ScalarType loss_dtype(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_forward(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
+    int64_t ignore_index, int64_t reduction, double label_smoothing, double normalizer, bool grad_x,
+    bool grad_weight, bool grad_bias, int64_t chunk_rows, const CeBackend& backend) {
+  const int64_t h = x.size(-1), v = weight.size(0);
+  const at::Tensor x2 = x.reshape({-1, h}), t1 = target.reshape({-1});
+  const int64_t n = x2.size(0);
+  const bool none = reduction == kCeNone;
+  grad_x = grad_x && !none;
+  grad_weight = grad_weight && !none;
+  grad_bias = grad_bias && !none && bias.has_value();
+  const Labeled l = labeled_rows(x2, t1, ignore_index, v);
+  const int64_t m = l.x.size(0);
+  const double denom = reduction == kCeMean ? (normalizer > 0 ? normalizer : double(m)) : 1.0;
+  const at::TensorOptions lopts = x.options().dtype(loss_dtype(x));
+  at::Tensor loss_rows, gxl, gw, gb;
+  if (m > 0) {
+    const std::optional<at::Tensor> b = bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : bias;
+    std::tie(loss_rows, gxl, gw, gb) = ce_pass(l.x, weight.contiguous(), b, l.target, at::Tensor(), 1.0 / denom,
+                                               label_smoothing, grad_x, grad_weight, grad_bias, chunk_rows, backend);
+  } else {
+    loss_rows = at::zeros({0}, lopts);
+    gxl = at::zeros({0, h}, x.options());
+    gw = grad_weight ? at::zeros_like(weight) : at::empty({0}, weight.options());
+    gb = grad_bias ? at::zeros({v}, weight.options()) : at::empty({0}, weight.options());
+  }
+  at::Tensor loss;
+  if (none) {
+    loss = l.idx.defined() ? at::zeros({n}, lopts).index_copy_(0, l.idx, loss_rows) : loss_rows;
+    loss = loss.reshape(target.sizes());
+  } else {
+    loss = loss_rows.sum() / denom;  // a mean over no labeled row: 0 / 0 = nan, as torch's
+  }
+  at::Tensor gx = at::empty({0}, x.options());
+  if (grad_x) {
+    gx = l.idx.defined() ? at::zeros({n, h}, x.options()).index_copy_(0, l.idx, gxl) : gxl;
+    gx = gx.reshape(x.sizes());
+  }
+  return {loss, gx, gw, gb};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ce_backward(
+    const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& bias, int64_t ignore_index, int64_t reduction,
+    double label_smoothing, double normalizer, bool grad_x, bool grad_weight, bool grad_bias, int64_t chunk_rows,
+    const CeBackend& backend) {
+  const int64_t h = x.size(-1), v = weight.size(0);
+  const at::Tensor x2 = x.reshape({-1, h}), t1 = target.reshape({-1});
+  grad_bias = grad_bias && bias.has_value();
+  const Labeled l = labeled_rows(x2, t1, ignore_index, v);
+  const int64_t m = l.x.size(0);
+  at::Tensor gxl, gw, gb;
+  if (m > 0) {
+    // The incoming gradient stays on its device (no host read): one factor per row.
+    at::Tensor row_grad;
+    if (reduction == kCeNone) {
+      const at::Tensor g = grad_loss.reshape({-1}).to(loss_dtype(x));
+      row_grad = (l.idx.defined() ? g.index_select(0, l.idx) : g).contiguous();
+    } else {
+      const double denom = reduction == kCeMean ? (normalizer > 0 ? normalizer : double(m)) : 1.0;
+      row_grad = (grad_loss.to(loss_dtype(x)).reshape({1}) / denom).expand({m}).contiguous();
+    }
+    const std::optional<at::Tensor> b = bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : bias;
+    std::tie(std::ignore, gxl, gw, gb) = ce_pass(l.x, weight.contiguous(), b, l.target, row_grad, 1.0,
+                                                 label_smoothing, grad_x, grad_weight, grad_bias, chunk_rows, backend);
+  } else {
+    gxl = at::zeros({0, h}, x.options());
+    gw = grad_weight ? at::zeros_like(weight) : at::empty({0}, weight.options());
+    gb = grad_bias ? at::zeros({v}, weight.options()) : at::empty({0}, weight.options());
+  }
+  at::Tensor gx = at::empty({0}, x.options());
+  if (grad_x) {
+    gx = l.idx.defined() ? at::zeros({x2.size(0), h}, x.options()).index_copy_(0, l.idx, gxl) : gxl;
+    gx = gx.reshape(x.sizes());
+  }
+  return {gx, gw, gb};
+}
+
 namespace cpu {
 
 const CeKernels& ce_kernels() {
@@ -27,85 +306,61 @@ const CeKernels& ce_kernels() {
 }
 
 namespace {
-// Logit elements per chunk when chunk_rows <= 0; fastops/_lce.py passes its CHUNK_ELEMENTS / V (measured there).
-constexpr int64_t kChunkElements = int64_t(1) << 20;
-// Rows of grad_weight per bf16/fp16 partial product: there is no mixed-dtype matmul on the CPU, so a chunk's
-// product is made in the inputs' dtype and added to the fp32 accumulator a block at a time (a 4 MiB temporary at
-// H = 256, not one of V x H).
-constexpr int64_t kVocabBlock = 8192;
+
+void rows_cpu(const at::Tensor& buf, const at::Tensor& target, const at::Tensor& row_grad, double scale, double eps,
+              bool with_grad, const at::Tensor& loss) {
+  if (buf.scalar_type() == at::kDouble) {
+    ce_rows_aten(buf, target, row_grad, scale, eps, with_grad, loss);
+    return;
+  }
+  const int64_t r = buf.size(0), v = buf.size(1);
+  const Dtype dt = buf.scalar_type() == at::kFloat ? Dtype::kFloat : Dtype::kBFloat16;
+  const CeKernels& k = ce_kernels();
+  void* base = buf.data_ptr();
+  const int64_t* tp = target.const_data_ptr<int64_t>();
+  const float* gp = row_grad.defined() ? row_grad.const_data_ptr<float>() : nullptr;
+  float* lp = loss.data_ptr<float>();
+  // A row of 32k logits is ~30 us of row pass: a task of at least 32k elements amortises a thread's wake-up.
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(v, 1));
+  at::parallel_for(0, r, grain, [&](int64_t b, int64_t e) {
+    k.rows(base, dt, v, tp, gp, float(scale), float(eps), with_grad, lp, b, e);
+  });
+}
+
+bool accumulate_mkl(const at::Tensor& acc, const at::Tensor& dl, const at::Tensor& x, bool first) {
+  if (cblas_gemm_bf16bf16f32 == nullptr || dl.scalar_type() != at::kBFloat16) return false;
+  const int64_t r = dl.size(0), v = dl.size(1), h = x.size(1);
+  constexpr int64_t kIntMax = 2147483647;
+  if (r > kIntMax || v > kIntMax || h > kIntMax) return false;
+  // Row-major (101); acc (V x H) = dl^T (112: transposed) @ x (111), leading dimensions V and H.
+  cblas_gemm_bf16bf16f32(101, 112, 111, int(v), int(h), int(r), 1.0f,
+                         reinterpret_cast<const uint16_t*>(dl.const_data_ptr()), int(v),
+                         reinterpret_cast<const uint16_t*>(x.const_data_ptr()), int(h), first ? 0.0f : 1.0f,
+                         acc.data_ptr<float>(), int(h));
+  return true;
+}
+
+const CeBackend& cpu_backend() {
+  static const CeBackend b{rows_cpu, accumulate_mkl, false};
+  return b;
+}
+
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ce_pass(
-    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const at::Tensor& target,
-    double label_smoothing, double scale, const std::optional<at::Tensor>& grad_rows, bool with_grad,
-    int64_t chunk_rows) {
-  constexpr const char* op = "fastops.linear_cross_entropy";
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), op,
-              ": x must be (M, H) and weight (V, H); got x ", x.sizes(), ", weight ", weight.sizes());
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && target.device().is_cpu(), op,
-              ": the cpp backend takes CPU tensors");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), op, ": weight has dtype ", weight.scalar_type(),
-              " but x has ", x.scalar_type());
-  const at::ScalarType dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, op, ": x has dtype ", dtype,
-              "; the cpp backend takes float32, bfloat16 or float16");
-  const int64_t m = x.size(0), h = x.size(1), v = weight.size(0);
-  TORCH_CHECK(target.scalar_type() == at::kLong && target.dim() == 1 && target.size(0) == m, op,
-              ": target must be int64 of shape (", m, ")");
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == v && bias->device().is_cpu(),
-                op, ": bias must be (", v, ") of x's dtype on the CPU");
-  }
-  at::Tensor grow;
-  if (grad_rows.has_value()) {
-    TORCH_CHECK(grad_rows->numel() == m, op, ": grad_rows has ", grad_rows->numel(), " elements, expected ", m);
-    grow = grad_rows->to(at::kFloat).contiguous();
-  }
-  const at::Tensor xc = x.contiguous(), w = weight.contiguous(), tgt = target.contiguous();
-  const at::Tensor wt = w.t();
-  const bool native = dtype == at::kFloat || dtype == at::kBFloat16;  // fp16 rows go through fp32
-  const at::TensorOptions f32 = x.options().dtype(at::kFloat);
-  at::Tensor loss = at::empty({m}, f32);
-  at::Tensor gx = with_grad ? at::empty({m, h}, x.options()) : at::empty({0}, x.options());
-  at::Tensor gw = with_grad ? at::zeros({v, h}, f32) : at::empty({0}, f32);
-  at::Tensor gb = with_grad && bias.has_value() ? at::zeros({v}, f32) : at::empty({0}, f32);
-  const int64_t rows = chunk_rows > 0 ? chunk_rows : std::max<int64_t>(1, kChunkElements / std::max<int64_t>(v, 1));
-  const CeKernels& k = ce_kernels();
-  const int64_t* tp = tgt.data_ptr<int64_t>();
-  const float* gp = grow.defined() ? grow.data_ptr<float>() : nullptr;
-  float* lp = loss.data_ptr<float>();
-  const float eps = float(label_smoothing), sc = float(scale);
-  for (int64_t s = 0; s < m; s += rows) {
-    const int64_t r = std::min(rows, m - s);
-    const at::Tensor xs = xc.narrow(0, s, r);
-    at::Tensor logits = bias.has_value() ? at::addmm(*bias, xs, wt) : at::mm(xs, wt);
-    at::Tensor buf = native ? logits : logits.to(at::kFloat);
-    const Dtype dt = buf.scalar_type() == at::kFloat ? Dtype::kFloat : Dtype::kBFloat16;
-    void* base = buf.data_ptr();
-    // A row of 32k logits is ~30 us of row pass: a task of at least 32k elements amortises a thread's wake-up.
-    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(v, 1));
-    at::parallel_for(0, r, grain, [&](int64_t b, int64_t e) {
-      k.rows(base, dt, v, tp + s, gp != nullptr ? gp + s : nullptr, sc, eps, with_grad, lp + s, b, e);
-    });
-    if (!with_grad) continue;
-    const at::Tensor dl = native ? buf : buf.to(dtype);
-    at::Tensor gxs = gx.narrow(0, s, r);
-    at::mm_out(gxs, dl, w);
-    if (dtype == at::kFloat) {
-      gw.addmm_(dl.t(), xs);
-    } else {
-      for (int64_t v0 = 0; v0 < v; v0 += kVocabBlock) {
-        const int64_t vb = std::min(kVocabBlock, v - v0);
-        gw.narrow(0, v0, vb).add_(at::mm(dl.narrow(1, v0, vb).t(), xs));
-      }
-    }
-    if (bias.has_value()) gb.add_(at::sum(buf, {0}, false, at::kFloat));
-  }
-  if (with_grad && dtype != at::kFloat) {
-    gw = gw.to(dtype);
-    gb = gb.to(dtype);
-  }
-  return {loss, gx, gw, gb};
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
+    int64_t ignore_index, int64_t reduction, double label_smoothing, double normalizer, bool grad_x,
+    bool grad_weight, bool grad_bias, int64_t chunk_rows) {
+  return ce_forward(x, weight, target, bias, ignore_index, reduction, label_smoothing, normalizer, grad_x,
+                    grad_weight, grad_bias, chunk_rows, cpu_backend());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
+    const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& bias, int64_t ignore_index, int64_t reduction,
+    double label_smoothing, double normalizer, bool grad_x, bool grad_weight, bool grad_bias, int64_t chunk_rows) {
+  return ce_backward(grad_loss, x, weight, target, bias, ignore_index, reduction, label_smoothing, normalizer, grad_x,
+                     grad_weight, grad_bias, chunk_rows, cpu_backend());
 }
 
 }  // namespace cpu

@@ -197,6 +197,7 @@ void register_bindings(pybind11::module_ m) {
   def_sgd_step_(m, sgd_step_);
   def_unscale_check_(m, unscale_check_);
   def_grad_stats(m, grad_stats);
+  register_linear_ce(m);
 }
 
 }  // namespace cuda

@@ -14,8 +14,8 @@
 //   tables are read only by its templates, which nvcc instantiates for the device alone (the CPU build reads the
 //   host copies of the tables).
 //
-// To run other CUDA math on the host (say linear_ce's row math): put the per-element or per-row functions in a .cuh
-// that includes this header, write them FASTOPS_HOST_DEVICE inside fastops::cuda::detail, add any
+// To run other CUDA math on the host (as ce_math.cuh does for linear_ce's row math): put the per-element or per-row
+// functions in a .cuh that includes this header, write them FASTOPS_HOST_DEVICE inside fastops::cuda::detail, add any
 // intrinsic they call to the list below, include the .cuh from a function of csrc/cuda_math.cpp that loops over CPU
 // tensors as the kernel loops over its threads, and compare its output in a test (tests/test_cuda_math.py).
 #pragma once
@@ -62,6 +62,7 @@ FASTOPS_INTRINSIC(float, __fsub_rn, (float a, float b), (a, b), a - b)
 FASTOPS_INTRINSIC(float, __fmul_rn, (float a, float b), (a, b), a * b)
 FASTOPS_INTRINSIC(float, __fdiv_rn, (float a, float b), (a, b), a / b)
 FASTOPS_INTRINSIC(float, __fsqrt_rn, (float a), (a), std::sqrt(a))
+FASTOPS_INTRINSIC(float, __fmaf_rn, (float a, float b, float c), (a, b, c), std::fma(a, b, c))
 FASTOPS_INTRINSIC(double, __dadd_rn, (double a, double b), (a, b), a + b)
 FASTOPS_INTRINSIC(double, __dmul_rn, (double a, double b), (a, b), a * b)
 #undef FASTOPS_INTRINSIC
@@ -73,6 +74,16 @@ FASTOPS_HOST_DEVICE uint32_t __float_as_uint(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof u);
   return u;
+#endif
+}
+
+FASTOPS_HOST_DEVICE float __uint_as_float(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return ::__uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
 #endif
 }
 

@@ -51,6 +51,9 @@ CUDA_LAUNCHES = {
     "unscale_check_kernel": (512, 4),
     "grad_stats_partials_kernel": (512, 4),
     "grad_stats_reduce_kernel": (512, 1),
+    # linear_cross_entropy's row pass (linear_ce.cu): one block of 256 threads a row of logits, thousands of rows a
+    # launch; 4 resident blocks an SM (32 of 64 warps) keep the loads in flight at <= 64 registers.
+    "ce_rows_kernel": (256, 4),
 }
 
 

@@ -119,18 +119,6 @@ def _grad_stats(o: dict[str, Any]) -> None:
     kernels.grad_stats(_grads(o), _scalar(o["inv_scale"]), host_scalars=_host(o))
 
 
-def _ce_rows(o: dict[str, Any]) -> None:
-    # The row pass alone: linear_ce_pass hands it fp32 chunks on CPU tensors (for the interpreter), while on a GPU
-    # it gets the matmul's dtype, so the dtype specializations are only reached by calling it directly.
-    from fastops.kernels import linear_ce
-
-    rows, v = 4, o["vocab"]
-    loss = torch.empty(rows)
-    grad_rows = torch.ones(rows) if o["row_grad"] else None
-    linear_ce._rows(torch.zeros(rows, v, dtype=o["dtype"]), torch.zeros(rows, dtype=torch.int64), grad_rows, loss,
-                    1.0, o["smoothing"], o["with_grad"])
-
-
 def _spec_sample(name: str) -> Callable[[dict[str, Any]], None]:
     """Calls the Triton launcher of ``name`` on the spec sample input named by the option "sample"."""
 
@@ -172,10 +160,6 @@ OPS = [
     Op("unscale_check_", _unscale, {"dtype": DTYPES, "aligned": (False, True), "inv_scale": ("host", torch.float32)}),
     Op("grad_stats", _grad_stats, {
         "dtype": DTYPES, "aligned": (False, True), "inv_scale": SCALAR, "chunks": (1, 3, 16), "mixed": (False, True),
-    }),
-    Op("linear_ce_rows", _ce_rows, {
-        "dtype": DTYPES, "vocab": (7, 32000), "row_grad": (False, True), "smoothing": (0.0, 0.1),
-        "with_grad": (False, True),
     }),
 ] + _sample_ops()  # fmt: skip
 

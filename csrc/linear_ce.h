@@ -1,0 +1,74 @@
+// linear_cross_entropy's driver (csrc/cpu/linear_ce.cpp), shared by the C++ CPU backend and the CUDA binding: the
+// labeled rows, the chunk plan, the three matmuls through ATen and the gradients asked for. A backend supplies
+// only the row pass and, where it has one, a matmul that accumulates a low-precision product into fp32.
+// Semantics: fastops/_specs/linear_ce.py; the Python twin (reference, Triton): fastops/_lce.py.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <tuple>
+
+#include <ATen/core/Tensor.h>
+
+namespace fastops {
+
+// The reduction argument: torch's Reduction enum, the ints aten's cross_entropy_loss takes.
+enum : int64_t { kCeNone = 0, kCeMean = 1, kCeSum = 2 };
+
+// One row pass over a chunk of logits `buf` (rows x V, contiguous): each row's loss in fp32 into `loss`, and
+// with `with_grad` the row overwritten by the gradient of loss * scale * row_grad[row] (row_grad undefined: 1).
+using CeRows = std::function<void(const at::Tensor& buf, const at::Tensor& target, const at::Tensor& row_grad,
+                                  double scale, double eps, bool with_grad, const at::Tensor& loss)>;
+// acc (V x H, fp32) = dl^T @ x (+ acc unless first), dl and x in bf16/fp16, summed in fp32 inside the matmul.
+// Returns false where the backend has no such matmul for these tensors (the driver then adds bf16 products).
+using CeAccumulate = std::function<bool(const at::Tensor& acc, const at::Tensor& dl, const at::Tensor& x,
+                                        bool first)>;
+
+struct CeBackend {
+  CeRows rows;
+  CeAccumulate accumulate;  // may be empty
+  bool rows_take_half;      // the row pass reads fp16 buffers itself (else they are widened to fp32 first)
+};
+
+// The rows a chunk holds: equal chunks of at most 512 rows, or all labeled rows in one where those chunks and the
+// fp32 grad_weight accumulator they need (4VH bytes, bf16/fp16 with a trainable head) would hold more than half of
+// the whole batch's logits. fastops/_lce.py's chunk_rows() is the same function (measured there).
+int64_t ce_chunk_rows(int64_t m, int64_t h, int64_t v, int64_t itemsize, bool grad_weight);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_forward(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
+    int64_t ignore_index, int64_t reduction, double label_smoothing, double normalizer, bool grad_x,
+    bool grad_weight, bool grad_bias, int64_t chunk_rows, const CeBackend& backend);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ce_backward(
+    const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& bias, int64_t ignore_index, int64_t reduction,
+    double label_smoothing, double normalizer, bool grad_x, bool grad_weight, bool grad_bias, int64_t chunk_rows,
+    const CeBackend& backend);
+
+// The row pass in ATen ops, for the dtypes no kernel takes (float64) on any device.
+void ce_rows_aten(const at::Tensor& buf, const at::Tensor& target, const at::Tensor& row_grad, double scale,
+                  double eps, bool with_grad, const at::Tensor& loss);
+
+namespace cuda {
+// csrc/cuda/linear_ce.cu's row pass over `rows` rows of `v` logits at z (kind 0: fp32, 1: bf16, 2: fp16), on the
+// cudaStream_t `stream`; returns its cudaError_t. No CUDA type here: the CPU build includes this header.
+int ce_rows(int kind, void* z, int64_t rows, int64_t v, const int64_t* target, const float* row_grad, float scale,
+            float eps, bool with_grad, float* loss, void* stream);
+}  // namespace cuda
+
+namespace cuda_host {
+// The driver around csrc/cuda/ce_math.cuh's per-row math compiled for the host (csrc/cpu/ce_cuda_host.cpp), with
+// the op's signatures: what the CPU tests run in place of the CUDA kernel.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy(
+    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
+    int64_t ignore_index, int64_t reduction, double label_smoothing, double normalizer, bool grad_x,
+    bool grad_weight, bool grad_bias, int64_t chunk_rows);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
+    const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
+    const std::optional<at::Tensor>& bias, int64_t ignore_index, int64_t reduction,
+    double label_smoothing, double normalizer, bool grad_x, bool grad_weight, bool grad_bias, int64_t chunk_rows);
+}  // namespace cuda_host
+
+}  // namespace fastops

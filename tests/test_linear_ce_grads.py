@@ -1,0 +1,159 @@
+"""fastops.linear_cross_entropy's gradients as autograd sees them: only those wanted (a frozen head, a frozen x),
+in the fused forward and in reduction="none"'s backward, eager and under torch.compile (ignored rows included);
+gradient accumulation over micro-batches with a whole-batch normalizer; the backward that recomputes the logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastops
+from fastops._specs import linear_ce as spec
+from tests.test_linear_ce import CHUNK, _torch, backend  # noqa: F401  (a fixture)
+
+ops = torch.ops.fastops
+
+
+def _leaves(x, w, b, wants):
+    return [t.detach().clone().requires_grad_(want) if t is not None else None for t, want in zip((x, w, b), wants)]
+
+
+@pytest.mark.parametrize("wants", [(True, False, False), (False, True, True), (True, True, False),
+                                   (False, False, False)], ids=["frozen-head", "frozen-x", "no-bias-grad", "none"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_only_wanted_gradients(backend, wants, reduction):
+    """Each tensor gets a .grad exactly when it requires one, equal to torch's; the op computes nothing else: the
+    forward's outputs for the unwanted ones are empty, and reduction="none"'s backward op is asked for no more."""
+    x, w, b, t = spec.tensors(50, 8, 70, labeled=0.6, seed=1)
+    mine, ref = _leaves(x, w, b, wants), _leaves(x, w, b, wants)
+    calls = []
+    real = ops.linear_cross_entropy_backward
+
+    def spy(*args):
+        calls.append(args[-4:-1])
+        return real(*args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ops, "linear_cross_entropy_backward", spy)
+        got = fastops.linear_cross_entropy(mine[0], mine[1], t, bias=mine[2], reduction=reduction, chunk_rows=CHUNK)
+        want = _torch(ref[0], ref[1], t, ref[2], reduction=reduction)
+        if not any(wants):
+            assert got.grad_fn is None and want.grad_fn is None
+            return
+        gout = torch.rand(want.shape)
+        (got * gout).sum().backward()
+        (want * gout).sum().backward()
+    for a, r, wanted in zip(mine, ref, wants):
+        assert (a.grad is None) == (not wanted)
+        if wanted:
+            torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-6)
+    assert calls == ([wants] if reduction == "none" else [])
+    out = ops.linear_cross_entropy(x, w, t, b, -100, spec.REDUCTIONS.index(reduction), 0.0, 0.0, *wants, CHUNK)
+    for g, wanted, full in zip(out[1:], wants, (x.shape, w.shape, b.shape)):
+        assert g.shape == (full if wanted and reduction != "none" else (0,))
+
+
+def test_gradient_flag_off_but_required_is_recomputed(backend):
+    """A direct call of the op with a flag off while the tensor requires grad still gives it its gradient (the
+    backward op recomputes it); fastops.linear_cross_entropy always sets the flags from requires_grad."""
+    x, w, b, t = spec.tensors(30, 8, 40, seed=2)
+    mine, ref = _leaves(x, w, b, (True, True, True)), _leaves(x, w, b, (True, True, True))
+    ops.linear_cross_entropy(mine[0], mine[1], t, mine[2], -100, spec.SUM, 0.1, 0.0, True, False, True, 0)[0].backward()
+    _torch(ref[0], ref[1], t, ref[2], reduction="sum", label_smoothing=0.1).backward()
+    for a, r in zip(mine, ref):
+        torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_accumulation_normalizes_over_the_whole_batch(backend):
+    """Micro-batches with normalizer= the whole batch's labeled count give the loss and gradient of the mean over
+    the whole batch (not the mean of per-micro-batch means: Liger #802)."""
+    x, w, b, t = spec.tensors(120, 16, 211, labeled=0.3, seed=3)
+    t[:40] = torch.where(torch.arange(40) < 38, -100, t[:40])  # the micro-batches get very different label counts
+    whole = _leaves(x, w, b, (True, True, True))
+    loss = _torch(whole[0], whole[1], t, whole[2])
+    loss.backward()
+    mine = _leaves(x, w, b, (True, True, True))
+    count = (t != -100).sum()
+    total = 0.0
+    for part in (slice(0, 40), slice(40, 120)):
+        micro = fastops.linear_cross_entropy(mine[0][part], mine[1], t[part], bias=mine[2], normalizer=count)
+        micro.backward()
+        total += micro.detach()
+    torch.testing.assert_close(total, loss.detach(), rtol=1e-5, atol=1e-6)
+    for a, r in zip(mine, whole):
+        torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_backward_twice_with_retain_graph(backend):
+    """The fused forward's gradients handed over as they are (grad_loss == 1) survive a second backward."""
+    x, w, b, t = spec.tensors(20, 8, 30, seed=5)
+    mine, ref = _leaves(x, w, b, (True, True, True)), _leaves(x, w, b, (True, True, True))
+    loss = fastops.linear_cross_entropy(mine[0], mine[1], t, bias=mine[2])
+    loss.backward(retain_graph=True)
+    loss.backward()
+    want = _torch(ref[0], ref[1], t, ref[2])
+    want.backward(retain_graph=True)
+    want.backward()
+    for a, r in zip(mine, ref):
+        torch.testing.assert_close(a.grad, r.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_recompute_backward_equals_fused(backend):
+    """The backward op (recompute) on mean gives what the forward's fused gradients give."""
+    args = spec.inputs(90, 16, 333, seed=5, label_smoothing=0.1)
+    _, gx, gw, gb = ops.linear_cross_entropy(*args)
+    rx, rw, rb = ops.linear_cross_entropy_backward(torch.tensor(1.0), *args)
+    for a, r in ((gx, rx), (gw, rw), (gb, rb)):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("frozen_head", [False, True])
+def test_torch_compile_fullgraph_with_ignored_rows(backend, frozen_head):
+    x, w, b, t = spec.tensors(64, 16, 100, labeled=0.4)
+    wants = (True, not frozen_head, not frozen_head)
+
+    def step(x, w, b, t):
+        return fastops.linear_cross_entropy(x, w, t, bias=b, label_smoothing=0.1) * 2.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    mine, ref = _leaves(x, w, b, wants), _leaves(x, w, b, wants)
+    compiled(mine[0], mine[1], mine[2], t).backward()
+    step(ref[0], ref[1], ref[2], t).backward()
+    for a, r in zip(mine, ref):
+        assert (a.grad is None) == (r.grad is None)
+        if r.grad is not None:
+            torch.testing.assert_close(a.grad, r.grad)
+
+
+@pytest.mark.slow
+def test_inductor_with_ignored_rows_and_frozen_head():
+    """The default torch.compile backend (inductor), rows ignored, head frozen: torch's loss and gradients."""
+    x, w, b, t = spec.tensors(48, 16, 90, labeled=0.5, seed=6)
+
+    def step(x, w, b, t):
+        return fastops.linear_cross_entropy(x, w, t, bias=b, reduction="none").sum() / 7
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    mine, ref = _leaves(x, w, b, (True, False, False)), _leaves(x, w, b, (True, False, False))
+    got = compiled(mine[0], mine[1], mine[2], t)
+    want = F.cross_entropy(F.linear(ref[0], ref[1], ref[2]), t, reduction="none").sum() / 7
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(mine[0].grad, ref[0].grad, rtol=1e-5, atol=1e-6)
+    assert mine[1].grad is None
+
+
+def test_bad_options_raise_through_the_wrapper():
+    x, w, b, t = spec.tensors(10, 8, 30)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        fastops.linear_cross_entropy(x, w, t, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        fastops.linear_cross_entropy(x, w, t, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="normalizer divides the mean"):
+        fastops.linear_cross_entropy(x, w, t, reduction="sum", normalizer=4)
+    with pytest.raises(RuntimeError, match="Expected a value of type 'Tensor' for argument 'x'"):
+        fastops.linear_cross_entropy(x.tolist(), w, t)
