@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from .. import amp
-from . import _checkpoint, _distributed, _loader, _model, _optimizer
+from . import _auto, _checkpoint, _distributed, _loader, _model, _optimizer
 from ._distributed import STRATEGIES
 from ._model import PRECISIONS
 from ._state import StepState
@@ -62,8 +62,8 @@ def accelerate(
     strategy: str = "auto",
     grad_clip: float | None = None,
     accumulate: int = 1,
-    compile: bool = False,
-    fused_loss: bool = False,
+    compile: bool | str = "auto",
+    fused_loss: bool | str = "auto",
     device: torch.device | str | None = None,
     tp_size: int = 1,
     pp_size: int = 1,
@@ -136,8 +136,8 @@ class Accelerator:
         strategy: str = "auto",
         grad_clip: float | None = None,
         accumulate: int = 1,
-        compile: bool = False,
-        fused_loss: bool = False,
+        compile: bool | str = "auto",
+        fused_loss: bool | str = "auto",
         device: torch.device | str | None = None,
         tp_size: int = 1,
         pp_size: int = 1,
@@ -155,10 +155,11 @@ class Accelerator:
             raise ValueError(f"fastops.accelerate: grad_clip must be > 0 or None, got {grad_clip!r}")
         self.grad_clip = None if grad_clip is None else float(grad_clip)
         self.accumulate = accumulate
-        self.compile = compile
-        if not isinstance(fused_loss, bool):
-            raise ValueError(f"fastops.accelerate: fused_loss must be True or False, got {fused_loss!r}")
-        self.fused_loss = fused_loss
+        _auto.check_option("compile", compile)
+        _auto.check_option("fused_loss", fused_loss)
+        self.compile, self.fused_loss = compile, fused_loss  # as asked; what was decided: self.decision
+        self.decision = _auto.Decision()
+        self.fused_head = None
 
         _distributed.init_processes(self, device)
         self.strategy = _distributed.resolve_strategy(strategy, self.world_size, self.distributed)

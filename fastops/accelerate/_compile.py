@@ -15,6 +15,7 @@ optimizer steps, in one warning, since each means compile time spent again or co
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import torch
@@ -50,10 +51,30 @@ def find_regions(model: nn.Module) -> list[nn.Module]:
     return [m for m in found if id(m) not in inside]
 
 
+def signature(module: nn.Module) -> tuple:
+    """What a compiled graph of ``module`` is specific to: its classes, their configuration (strides, sizes) and
+    its parameters' shapes and dtypes. Blocks with one signature share one graph."""
+    parts = tuple((type(m).__name__, m.extra_repr()) for m in module.modules())
+    tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in (*module.named_parameters(), *module.named_buffers()))
+    return parts, tensors
+
+
+def _entry(tag: int):
+    """A function of its own code object for one signature: dynamo keeps its compiled graphs and its recompile
+    count per code object, so blocks of different shapes (ResNet's stages) neither recompile each other nor
+    push one another to dynamic shapes, and none counts against another's recompile limit."""
+
+    def region(call, *args, **kwargs):
+        return call(*args, **kwargs)
+
+    code = region.__code__.replace(co_name=f"fastops_region_{tag}")
+    return types.FunctionType(code, region.__globals__, code.co_name)
+
+
 class _Regions:
     """The compiled regions of one model and what the run learned about them."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, dynamic: bool | None = None) -> None:
         from torch._dynamo.utils import counters
 
         self.counters = counters
@@ -62,19 +83,29 @@ class _Regions:
         self.reported = False
         self.modules = find_regions(model) or [model]
         self.classes = {type(m).__name__ for m in self.modules}
+        groups: dict[tuple, object] = {}
         for module in self.modules:
-            eager = module._call_impl
-            compiled = torch.compile(eager, backend=BACKEND)
-            module._compiled_call_impl = self._guarded(compiled, eager)
+            key = signature(module)
+            if key not in groups:
+                groups[key] = torch.compile(_entry(len(groups)), backend=BACKEND, dynamic=dynamic)
+            module._compiled_call_impl = self._guarded(groups[key], module._call_impl)
+        self.signatures = len(groups)
+
+    def remove(self) -> None:
+        """Every region eager again (before its first call: nothing was compiled)."""
+        for module in self.modules:
+            module._compiled_call_impl = None
 
     def _guarded(self, compiled, eager):
         regions = self
 
         def call(*args, **kwargs):
-            if regions.failed is not None:
+            # Training calls only: an eval or no_grad call would compile graphs of its own for no gain worth
+            # the compile time.
+            if regions.failed is not None or not torch.is_grad_enabled():
                 return eager(*args, **kwargs)
             try:
-                return compiled(*args, **kwargs)
+                return compiled(eager, *args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as e:
                 # Raised by dynamo and the backends while tracing or compiling, before the region's code ran: the
                 # eager call computes what the compiled one would have.
@@ -99,8 +130,8 @@ class _Regions:
         graphs = self.counters["stats"]["unique_graphs"] - self.start["unique_graphs"]
         breaks = {k: v for k, v in self.counters["graph_break"].items()}
         n_breaks = sum(breaks.values()) - self.start["breaks"]
-        # One graph per block class, one more per shape it saw (ResNet's stages), at most: more means recompiles.
-        if n_breaks == 0 and graphs <= 2 * len(self.classes) + 2:
+        # One graph per signature, one more per input shape it saw, at most: more means recompiles.
+        if n_breaks == 0 and graphs <= 2 * self.signatures + 2:
             return
         reasons = "; ".join(f"{reason} ({count}x)" for reason, count in list(breaks.items())[:3])
         warnings.warn(
@@ -113,7 +144,7 @@ class _Regions:
         )
 
 
-def compile_regions(model: nn.Module) -> _Regions:
+def compile_regions(model: nn.Module, dynamic: bool | None = None) -> _Regions:
     """Compiles ``model``'s repeated blocks in place (their ``__call__`` goes through the compiled code) and
     returns the record ``fastops.accelerate`` reports from."""
-    return _Regions(model)
+    return _Regions(model, dynamic)

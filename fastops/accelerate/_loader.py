@@ -98,6 +98,14 @@ def prepare_loader(acc: "Accelerator", loader) -> Loader:
             loader = RoundRobin(loader, acc.dp_rank, acc.dp_size)
     wrapped = Loader(Prefetcher(loader, device=acc.device, background=background))
     acc.loaders.append(wrapped)
+    try:
+        batches = len(loader)
+    except TypeError:  # an iterable without a length: the run's length is unknown
+        batches = None
+    if batches is not None:
+        from . import _auto
+
+        _auto.short_run(acc, batches)
     return wrapped
 
 

@@ -1,0 +1,174 @@
+"""``compile="auto"``, ``fused_loss="auto"`` (the defaults) and the conv-net layout: what ``fastops.accelerate``
+turns on for a model, decided by rules on its structure and shapes, never by timing it at start-up.
+
+- compile: regional compilation (``_compile``) where it pays: repeated blocks that compute more than their
+  launches cost, in a run long enough to repay the compile time. See ``decide_compile`` for the rules and the
+  measurements behind them.
+- fused_loss: HF transformers models with a plain linear head get the stand-in logits (``_fused_loss``); the
+  first training call with labels decides from its shapes whether the fused op runs (``fused_rule``).
+- channels_last: conv nets in bf16 on the CPU, where oneDNN's convolutions run faster in that layout.
+
+The decisions and their reasons are one line, logged (logger ``fastops.accelerate``, INFO) at the first training
+call and kept as ``Accelerator.decision``."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+
+if TYPE_CHECKING:
+    from . import Accelerator
+
+log = logging.getLogger("fastops.accelerate")
+AUTO = "auto"
+
+# compile: a block must hold at least this many parameters for its compiled code to repay the compile time in a
+# run of ordinary length; a run of fewer than MIN_STEPS steps per loader pass never repays it.
+MIN_BLOCK_PARAMS = 1 << 17
+MIN_STEPS = 100
+# fused_loss: the fused op is used when at most this share of the rows carries a label, or at any share while
+# the vocabulary is below ALL_ROWS_MAX_VOCAB.
+MAX_LABELED_SHARE = 0.5
+ALL_ROWS_MAX_VOCAB = 40000
+
+
+@dataclasses.dataclass
+class Decision:
+    compile: bool = False
+    compile_why: str = ""
+    fused_loss: bool | None = False  # None: decided at the first training call with labels
+    fused_why: str = ""
+    channels_last: bool = False
+    channels_last_why: str = ""
+    logged: bool = False
+    prefix: str = "fastops.accelerate"
+
+    def line(self) -> str:
+        fused = {True: "on", False: "off", None: "decided at the first training call with labels"}[self.fused_loss]
+        text = (f"{self.prefix}: compile={'on' if self.compile else 'off'} ({self.compile_why}); "
+                f"fused_loss={fused} ({self.fused_why})")
+        if self.channels_last or self.channels_last_why:
+            text += f"; channels_last={'on' if self.channels_last else 'off'} ({self.channels_last_why})"
+        return text
+
+    def log(self) -> None:
+        if not self.logged:
+            self.logged = True
+            log.info(self.line())
+
+    def __str__(self) -> str:
+        return self.line()
+
+
+def _has(model: nn.Module, kinds) -> bool:
+    return any(isinstance(m, kinds) for m in model.modules())
+
+
+def decide_compile(acc: "Accelerator", model: nn.Module, asked) -> tuple[bool, str]:
+    if asked is True or asked is False:
+        return asked, f"compile={asked}"
+    from ._compile import find_regions
+
+    if acc.strategy == "pp":
+        return False, "not under strategy='pp'"
+    regions = find_regions(model)
+    if not regions:
+        return False, ("no repeated block: only a whole-model compile would be left, whose first step takes tens of "
+                       "seconds")
+    if _has(model, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and acc.device.type == "cpu":
+        return False, ("convolution blocks on the CPU: oneDNN runs the convolutions either way, and compiled blocks "
+                       "measured no faster")
+    largest = max(sum(p.numel() for p in r.parameters()) for r in regions)
+    if largest < MIN_BLOCK_PARAMS:
+        return False, (f"blocks of at most {largest} parameters: too little work per block for the compiled code "
+                       f"to repay its compile time")
+    counts = collections.Counter(type(r).__name__ for r in regions)
+    names = ", ".join(f"{n} x {name}" if n > 1 else name for name, n in counts.items())
+    return True, f"regions {names}, compiled once per signature"
+
+
+def short_run(acc: "Accelerator", batches: int) -> None:
+    """A prepared loader of ``batches`` per pass: under compile="auto", too few steps to repay the compile turn
+    it off (before anything was compiled)."""
+    d = acc.decision
+    if acc.compile != AUTO or not d.compile or batches >= MIN_STEPS:
+        return
+    regions = acc._step_state.regions
+    if regions is not None:
+        regions.remove()
+        acc._step_state.regions = None
+    d.compile = False
+    d.compile_why = f"the loader has {batches} batches a pass: too few steps to repay the compile time"
+
+
+def fused_rule(rows: int, labeled: int, vocab: int, hidden: int, device: torch.device) -> tuple[bool, str]:
+    """Whether the fused op beats the head's own logits and cross-entropy at the first loss call's shapes."""
+    share = labeled / max(rows, 1)
+    what = f"{labeled} of {rows} rows labeled, vocabulary {vocab}"
+    if share <= MAX_LABELED_SHARE:
+        return True, f"{what}: the fused loss skips the unlabeled rows' logits"
+    if vocab < ALL_ROWS_MAX_VOCAB:
+        return True, f"{what}: the fused loss is not slower there and never builds the logits"
+    return False, (f"{what}: with nearly every row labeled at this vocabulary the fused loss measured slower, so "
+                   "the head's own loss runs")
+
+
+def decide_fused(acc: "Accelerator", model: nn.Module, asked):
+    """Installs the fused loss where asked or where the rules allow it; returns its FusedHead or None."""
+    from . import _fused_loss
+
+    d = acc.decision
+    if asked is False:
+        d.fused_loss, d.fused_why = False, "fused_loss=False"
+        return None
+    if acc.strategy == "pp":
+        d.fused_loss, d.fused_why = False, "not under strategy='pp'"
+        return None
+    if asked is True:
+        head = _fused_loss.install(model)
+        d.fused_loss, d.fused_why = (True, "fused_loss=True") if head else (False, _fused_loss.unfusable(model))
+        return head
+    reason = _fused_loss.unfusable(model)
+    if reason:
+        d.fused_loss, d.fused_why = False, reason
+        return None
+    head = _fused_loss.install(model, rule=fused_rule)
+
+    def decided(h) -> None:
+        was_logged = d.logged
+        d.fused_loss, d.fused_why = h.on, h.reason
+        if was_logged:  # the first line went out before any call had labels: this one completes it
+            log.info(d.line())
+
+    head.listeners.append(decided)
+    d.fused_loss, d.fused_why = None, "HF model with a linear head"
+    return head
+
+
+def decide_channels_last(acc: "Accelerator", model: nn.Module) -> None:
+    """bf16 conv nets on a CPU with native bf16 take the channels_last layout, oneDNN's own for bf16 convolutions.
+    FASTOPS_CHANNELS_LAST=0 leaves the layout alone."""
+    from ._model import _native_bf16
+
+    d = acc.decision
+    if not _has(model, nn.Conv2d):
+        return
+    if os.environ.get("FASTOPS_CHANNELS_LAST", "1").lower() in ("0", "false", "off", "no"):
+        d.channels_last_why = "FASTOPS_CHANNELS_LAST=0"
+        return
+    if acc.device.type != "cpu" or acc.amp_dtype != torch.bfloat16 or not _native_bf16(acc.device):
+        d.channels_last_why = "only for bf16 on a CPU that computes it natively"
+        return
+    model.to(memory_format=torch.channels_last)
+    d.channels_last, d.channels_last_why = True, "2-D convolutions in bf16 on the CPU: oneDNN's preferred layout"
+
+
+def check_option(name: str, value) -> None:
+    if value is not True and value is not False and value != AUTO:
+        raise ValueError(f"fastops.accelerate: {name} must be True, False or 'auto', got {value!r}")
