@@ -54,26 +54,10 @@ import train_profile  # noqa: E402
 
 from fastops.accelerate import accelerate  # noqa: E402
 
-# The seed's claims against plain fp32 (README).
-CLAIMS = {"resnet": 1.30, "maskrcnn": 1.40, "bert": 1.20, "llama": 1.20}
-# Targets of the defaults (issue 26): speed against the best of PEERS, MFU, training memory and first step
-# against the torch.compile recipe's.
-TARGET_VS_PEER = {"resnet": 1.15, "bert": 1.3, "llama": 1.3}
-TARGET_MFU, TARGET_MEM, TARGET_FIRST = 0.7, 0.7, 0.5
-# Loss checks over the last LOSS_TAIL steps (mean of |loss - loss_ref| / loss_ref at the same steps); the
-# measurements behind the tolerances are in loss_check's docstring.
-LOSS_TAIL = 5
-FP32, AMP_REF, HF, FASTOPS = "torch fp32", "torch AMP recipe", "HF Accelerate bf16", "fastops.accelerate"
-COMPILE = "torch.compile recipe"
-F_EAGER, F_COMPILE = "fastops compile=F fused=F", "fastops compile=T fused=F"
-F_FUSED, F_BOTH = "fastops compile=F fused=T", "fastops compile=T fused=T"
-AMP_NOISE = "torch AMP recipe, params +-1 bf16 rounding"
-PEAK = "bf16 GEMM peak"  # not a provider: the matmul whose GFLOP/s MFU is counted against, in the same rounds
-SAME_RECIPE_RTOL = 2e-3  # a bf16 provider against torch's own bf16 autocast recipe
-BF16_VS_FP32_RTOL = 5e-2  # torch's bf16 recipe against fp32
-
+from train_report import (AMP_NOISE, AMP_REF, CLAIMS, COMPILE, EXPLICIT, F_BOTH, F_COMPILE, F_EAGER,  # noqa: E402
+                          F_FUSED, F_NCHW, FASTOPS, FP32, HF, LOSS_TAIL, PEAK, PEERS, SAME_RECIPE_RTOL,
+                          BF16_VS_FP32_RTOL, loss_check, print_rows, targets)
 from train_cases import CASES  # noqa: E402
-
 
 
 # ---- data ------------------------------------------------------------------------------------------------
@@ -165,8 +149,9 @@ def torch_compile_recipe(case, model, loader, device):
     return _steps(torch.compile(model), opt, loader, case["loss"], device, amp_dtype=torch.bfloat16)
 
 
-def _fastops(**options):
+def _fastops(env=None, **options):
     def provider(case, model, loader, device):
+        os.environ.update(env or {})  # this worker's process only
         model, opt, loader = accelerate(model, case["opt"](model.parameters()), loader, device=device, **options)
         # precision="auto" picks fp32 on a CPU without native bf16; the loss check then compares it with fp32.
         provider.precision = opt.accelerator.precision
@@ -175,16 +160,15 @@ def _fastops(**options):
         return _steps(model, opt, loader, case["loss"], device)
 
     provider.lm_only = "fused_loss" in options and options["fused_loss"]
+    provider.conv_only = env is not None and "FASTOPS_CHANNELS_LAST" in env
     return provider
 
 
 PROVIDERS = {FP32: torch_fp32, AMP_REF: torch_amp, AMP_NOISE: torch_amp_perturbed, HF: hf_accelerate_bf16, COMPILE: torch_compile_recipe,
              FASTOPS: _fastops(),
              F_EAGER: _fastops(compile=False, fused_loss=False), F_COMPILE: _fastops(compile=True, fused_loss=False),
-             F_FUSED: _fastops(compile=False, fused_loss=True), F_BOTH: _fastops(compile=True, fused_loss=True)}
-# The peers the targets compare the defaults with (the best of them), and fastops' explicit configurations.
-PEERS = (AMP_REF, HF, COMPILE)
-EXPLICIT = (F_EAGER, F_COMPILE, F_FUSED, F_BOTH)
+             F_FUSED: _fastops(compile=False, fused_loss=True), F_BOTH: _fastops(compile=True, fused_loss=True),
+             F_NCHW: _fastops(env={"FASTOPS_CHANNELS_LAST": "0"}, compile=False, fused_loss=False)}
 
 
 def _start(case: dict, label: str, steps: int, device: str):
@@ -249,7 +233,10 @@ def _in_process(args: list[str], cache_dir: str | None = None) -> dict:
 
 
 def _applies(label: str, case: dict) -> bool:
-    return not getattr(PROVIDERS[label], "lm_only", False) or bool(case.get("lm"))
+    make = PROVIDERS[label]
+    if getattr(make, "conv_only", False):
+        return not case.get("lm")
+    return not getattr(make, "lm_only", False) or bool(case.get("lm"))
 
 
 def run_case(model_key: str, labels: list[str], rounds: int, warmup: int, blocks: int, device: str,
@@ -330,75 +317,6 @@ def run_case(model_key: str, labels: list[str], rounds: int, warmup: int, blocks
     return rows, losses, profiles
 
 
-def loss_check(losses: dict[str, list[float]], precision: dict[str, str]) -> dict[str, dict]:
-    """Per provider, the mean of its last LOSS_TAIL losses, and their mean relative difference from torch
-    fp32's and from torch's bf16 AMP recipe's (AMP_REF) at the same steps: same batches, dropout masks and
-    proposal samples. Failures are listed under "fail". A provider that ran in fp32 (``precision``) is held to
-    torch fp32 with SAME_RECIPE_RTOL.
-
-    - bf16 providers against AMP_REF, SAME_RECIPE_RTOL: they run the same autocast forward, and only the
-      optimizers' fp32 rounding differs (for-loop, fused, fastops), which bf16 weights can round differently.
-      AMP_NOISE (the recipe from params moved by one bf16 rounding) shows what that rounding alone does.
-    - AMP_REF against fp32, BF16_VS_FP32_RTOL = 5e-2: bf16 keeps 8 significant bits (ResNet-50's first step,
-      with identical weights, already differs by about 1e-2)."""
-    k = min(LOSS_TAIL, min(len(x) for x in losses.values()))
-    out = {}
-    for label, ls in losses.items():
-        row = {"tail_loss": statistics.fmean(ls[-k:]), "fail": []}
-        for ref, key in ((FP32, "rel_diff_fp32"), (AMP_REF, "rel_diff_amp")):
-            if ref in losses:
-                row[key] = statistics.fmean(abs(a - b) / abs(b) for a, b in zip(ls[-k:], losses[ref][-k:]))
-        if label == AMP_REF and row.get("rel_diff_fp32", 0.0) > BF16_VS_FP32_RTOL:
-            row["fail"].append(f"{row['rel_diff_fp32']:.2e} from {FP32} (tolerance {BF16_VS_FP32_RTOL:g})")
-        same = FP32 if precision[label] == "fp32" else AMP_REF
-        key = "rel_diff_fp32" if same == FP32 else "rel_diff_amp"
-        if label not in (FP32, AMP_REF, AMP_NOISE) and key in row and row[key] > SAME_RECIPE_RTOL:
-            row["fail"].append(f"{row[key]:.2e} from {same} (tolerance {SAME_RECIPE_RTOL:g})")
-        out[label] = row
-    return out
-
-
-def _print_rows(case_rows: list[dict]) -> None:
-    for r in case_rows:
-        ratios = "".join(f" {r[c]:5.2f}x {n}" for c, n in (("speedup_vs_fp32", "fp32"), ("vs_best_peer", "best peer"),
-                                                             ("vs_fastest_explicit", "fastest explicit")) if c in r)
-        mem = f"{r['train_mem_mib']:.0f} MiB" if r.get("train_mem_mib") is not None else "-"
-        print(f"  {r['provider']:26s} {r['ms']:8.1f} ms [{r['ms_q20']:.1f}, {r['ms_q80']:.1f}] {ratios}  MFU "
-              f"{100 * r['mfu']:.0f}%  first step {r['first_step_ms'] / 1e3:.1f} s, training memory {mem}  loss "
-              f"{r['first_loss']:.4f} -> {r['tail_loss']:.4f} ({r['tail_rel_diff_vs_amp']:.1e} from the AMP recipe)"
-              + (f"\n      {r['decision']}" if r.get("decision") else ""), flush=True)
-        if "breakdown_ms" in r:
-            print("      profile (ms/step): " + ", ".join(f"{k} {v:.1f}" for k, v in r["breakdown_ms"].items())
-                  + f"; GEMM share {100 * r['gemm_share']:.0f}%, GEMM at {100 * r['gemm_efficiency']:.0f}% of peak")
-
-
-def targets(key: str, case_rows: list[dict]) -> dict:
-    """The issue's targets for the defaults (FASTOPS) on this model, each with its figure and whether it is met."""
-    by = {r["provider"]: r for r in case_rows}
-    fo = by.get(FASTOPS)
-    if fo is None:
-        return {}
-    out = {"mfu": (fo["mfu"], fo["mfu"] >= TARGET_MFU)}
-    if "vs_best_peer" in fo and key in TARGET_VS_PEER:
-        out["vs_best_peer"] = (fo["vs_best_peer"], fo["vs_best_peer"] >= TARGET_VS_PEER[key])
-    if "vs_fastest_explicit" in fo:
-        out["vs_fastest_explicit"] = (fo["vs_fastest_explicit"], fo["vs_fastest_explicit"] >= 0.97)
-    comp = by.get(COMPILE)
-    if comp is not None:
-        out["first_step_vs_compile"] = (round(fo["first_step_ms"] / comp["first_step_ms"], 3),
-                                        fo["first_step_ms"] <= TARGET_FIRST * comp["first_step_ms"])
-        if fo.get("train_mem_mib") and comp.get("train_mem_mib"):
-            ratio = fo["train_mem_mib"] / comp["train_mem_mib"]
-            out["mem_vs_compile"] = (round(ratio, 3), ratio <= TARGET_MEM)
-    slower = [r["provider"] for r in case_rows if r["provider"] in EXPLICIT and "vs_fastest_explicit" in r
-              and by.get(F_EAGER) and r["ms"] > 1.03 * by[F_EAGER]["ms"]]
-    if F_EAGER in by:
-        out["no_switch_slower"] = (", ".join(slower) or "none", not slower)
-    print("  targets of the defaults: " + "; ".join(f"{k} {v[0]} ({'met' if v[1] else 'NOT met'})"
-                                                     for k, v in out.items()), flush=True)
-    return out
-
-
 def _worker(args, cuda: bool, device: str) -> int:
     if args.peak:
         common.reply({"samples": train_profile.gemm_samples(device, time.process_time if CLOCK == "cpu" else None)})
@@ -464,7 +382,7 @@ def main() -> int:
             profiles[name] = case_profiles
             print(f"  {case_rows[0]['gflop_per_step']:.1f} GFLOP per step; bf16 GEMM peak {case_rows[0]['peak_gflops']:.0f} "
                   f"GFLOP/s", flush=True)
-            _print_rows(case_rows)
+            print_rows(case_rows)
             summary[key] = targets(key, case_rows)
             rows += case_rows
     bad = [r for r in rows if r["loss_check"] != "ok"]

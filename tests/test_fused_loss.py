@@ -124,6 +124,28 @@ def test_logits_are_built_once_when_read_and_never_otherwise(precision):
     assert torch.equal(predicted, want.argmax(-1))
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_logits_read_after_the_optimizer_step_are_those_of_their_forward(precision):
+    """Accuracy logged after optimizer.step(): the step changed the head's weights in place, the logits are still
+    the forward's (bf16: the cast the fused op used; fp32: a copy taken before the step)."""
+    torch.manual_seed(0)
+    model = _llama()
+    ids, labels = _batch(300, masked=False)
+    plain_model = copy.deepcopy(model)
+    got = []
+    for m, fused in ((plain_model, False), (model, True)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-1)
+        m, opt, _ = fastops.accelerate(m, opt, precision=precision, fused_loss=fused, device="cpu")
+        out = m(input_ids=ids, labels=labels)
+        out.loss.backward()
+        before = m.lm_head.weight.detach().clone()
+        opt.step()
+        assert not torch.equal(before, m.lm_head.weight)  # the step moved the head: logits from it now differ
+        got.append(out.logits)
+    assert _fused_loss.is_lazy(got[1])
+    torch.testing.assert_close(got[1], got[0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_loss_term_on_the_logits_gets_the_models_gradients(accumulate):
     """Distillation-style: a second term computed from out.logits in the training step. Its gradient flows

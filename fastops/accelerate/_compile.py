@@ -8,7 +8,9 @@ compile). The blocks are HF transformers' ``_no_split_modules`` classes, else th
 ``Sequential`` that repeats one class (torchvision's and timm's stages, a user's ``nn.ModuleList`` of layers); the
 rest of the model stays eager. Without any repeated block the whole forward is compiled once.
 
-A compile that fails (a backend error, an operator dynamo cannot trace) makes every region run eagerly from then
+Regions where compiling does not pay (``fastops.accelerate._auto.region_stays_eager``: convolution blocks on the
+CPU) stay eager, and the decision line says so. A compile that fails (a backend error, an operator dynamo cannot
+trace) makes every region run eagerly from then
 on, with one warning that gives the reason. Graph breaks and recompiles are reported once, after the first
 optimizer steps, in one warning, since each means compile time spent again or code left eager.
 """
@@ -74,14 +76,21 @@ def _entry(tag: int):
 class _Regions:
     """The compiled regions of one model and what the run learned about them."""
 
-    def __init__(self, model: nn.Module, dynamic: bool | None = None) -> None:
+    def __init__(self, model: nn.Module, dynamic: bool | None = None, eager=None) -> None:
         from torch._dynamo.utils import counters
 
         self.counters = counters
         self.start = {"unique_graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
         self.failed: str | None = None
         self.reported = False
-        self.modules = find_regions(model) or [model]
+        regions = find_regions(model) or [model]
+        # Regions where compiling does not pay stay eager: eager(module) gives the reason, or None.
+        self.left_eager = {}
+        for module in regions:
+            why = eager(module) if eager is not None else None
+            if why is not None:
+                self.left_eager.setdefault(why, []).append(type(module).__name__)
+        self.modules = [m for m in regions if eager is None or eager(m) is None]
         self.classes = {type(m).__name__ for m in self.modules}
         groups: dict[tuple, object] = {}
         for module in self.modules:
@@ -144,7 +153,7 @@ class _Regions:
         )
 
 
-def compile_regions(model: nn.Module, dynamic: bool | None = None) -> _Regions:
+def compile_regions(model: nn.Module, dynamic: bool | None = None, eager=None) -> _Regions:
     """Compiles ``model``'s repeated blocks in place (their ``__call__`` goes through the compiled code) and
-    returns the record ``fastops.accelerate`` reports from."""
-    return _Regions(model, dynamic)
+    returns the record ``fastops.accelerate`` reports from. ``eager(module)``: why a region stays eager, or None."""
+    return _Regions(model, dynamic, eager)

@@ -24,6 +24,7 @@ import functools
 import threading
 import types
 import warnings
+import weakref
 
 import torch
 import torch.nn as nn
@@ -52,6 +53,8 @@ class _Logits(torch.Tensor):
         stand._real = None
         stand._owner = owner  # the FusedHead that made it, or None
         stand._parent = None  # (stand-in, fn) when this one is fn(that one's logits)
+        if any(t is not None and t.is_leaf and t.requires_grad for t in (weight, bias)):
+            _UNCAST.add(stand)  # the head's own params: an optimizer step would change them (_before_step)
         return stand
 
     def materialize(self) -> torch.Tensor:
@@ -118,6 +121,21 @@ class _Logits(torch.Tensor):
         args, kwargs = torch.utils._pytree.tree_map_only(_Logits, _Logits.materialize, (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+# Stand-ins over the head's params themselves (fp32, no cast): before any optimizer step changes those in place,
+# they take a copy, so logits read after optimizer.step() are still the ones of their forward. Under autocast the
+# stand-in holds the bf16 cast of the weights (the one the fused op uses), which no step changes.
+_UNCAST: weakref.WeakSet = weakref.WeakSet()
+_hooked = []
+
+
+def _before_step(optimizer, args, kwargs) -> None:
+    for stand in list(_UNCAST):
+        if stand._real is None:
+            x, weight, bias = stand._parts
+            stand._parts = (x, weight.detach().clone(), None if bias is None else bias.detach().clone())
+    _UNCAST.clear()
 
 
 def is_lazy(t) -> bool:
@@ -200,10 +218,17 @@ class FusedHead:
                     dtype = torch.get_autocast_dtype(x.device.type)
                 else:
                     dtype = torch.promote_types(x.dtype, self.weight.dtype)
-                return _Logits(x, self.weight, self.bias, dtype, dtype, owner=owner)
+                # Cast here, as autocast's F.linear would: the fused op and a later read both take this copy.
+                weight = self.weight.to(dtype)
+                bias = None if self.bias is None else self.bias.to(dtype)
+                return _Logits(x, weight, bias, dtype, dtype, owner=owner)
             return head_forward(x)
 
         head.forward = types.MethodType(forward, head)
+        if not _hooked:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _hooked.append(register_optimizer_step_pre_hook(_before_step))
         model_forward = model.forward
 
         @functools.wraps(model_forward)

@@ -107,7 +107,7 @@ def prepare_model(acc: "Accelerator", model: nn.Module) -> nn.Module:
     if decision.compile:
         from . import _compile
 
-        acc._step_state.regions = _compile.compile_regions(model)
+        acc._step_state.regions = _compile.compile_regions(model, eager=_auto.region_stays_eager(acc.device))
     _auto.decide_channels_last(acc, model)
     if acc.strategy in ("tp", "fsdp+tp"):
         from .. import _parallel

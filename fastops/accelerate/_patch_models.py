@@ -49,7 +49,7 @@ def apply_rules(model: nn.Module) -> _auto.Decision:
     if ctx.decision.compile:
         from . import _compile
 
-        model._fastops_regions = _compile.compile_regions(model)
+        model._fastops_regions = _compile.compile_regions(model, eager=_auto.region_stays_eager(device))
     return ctx.decision
 
 
