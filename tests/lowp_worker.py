@@ -81,7 +81,7 @@ def tensor_parallel(fmt: str):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from fastops._parallel import global_grad_stats
+    from fastops.accelerate._parallel import global_grad_stats
 
     import torch.distributed as dist
 

@@ -152,8 +152,8 @@ def _mean_over_dp(loss, mesh):
 
 
 def train_parallel(kind, strategy, tp, steps=STEPS, bf16=False, ckpt=None, load=None, first=0):
-    import fastops._dcp as dcp
-    import fastops._parallel as par
+    from fastops.accelerate import _dcp as dcp
+    from fastops.accelerate import _parallel as par
 
     mesh = par.make_mesh(tp_size=tp)
     model = {"llama": llama, "net": Net}[kind]()
@@ -180,7 +180,7 @@ def train_parallel(kind, strategy, tp, steps=STEPS, bf16=False, ckpt=None, load=
 
 
 def train_pipeline(schedule, steps=STEPS):
-    import fastops._parallel as par
+    from fastops.accelerate import _parallel as par
 
     mesh = par.make_mesh(pp_size=2)
     pipe = par.Pipeline(seq(), mesh, n_microbatches=2, schedule=schedule)

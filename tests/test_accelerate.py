@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from fastops import _util, optim
-from fastops.accelerate import Accelerator, _checkpoint, _distributed, _loader, _model, accelerate
+from fastops.accelerate import Accelerator, _checkpoint, _cpu_cache, _distributed, _loader, _model, accelerate
 from tests import dist_worker
 from tests.rounding import assert_as_accurate, assert_orders_agree
 
@@ -918,21 +918,52 @@ def test_bad_arguments(kwargs, match):
         accelerate(*make(), **kwargs)
 
 
+def test_where_it_runs_is_one_frozen_state():
+    import ast
+    import dataclasses
+    import inspect
+    import textwrap
+
+    from fastops.accelerate._state import ProcessState
+
+    acc = Accelerator(precision="fp32")
+    assert isinstance(acc.state, ProcessState) and acc.state.strategy == "none" and acc.dp_size == 1
+    assert (acc.device, acc.rank, acc.world_size, acc.is_main, acc.mesh) == (torch.device("cpu"), 0, 1, True, None)
+    with pytest.raises(AttributeError):
+        acc.rank = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        acc.state.rank = 1
+    # accelerate's keywords are Accelerator's: one list, shown by help(), a misspelling refused by name.
+    keywords = list(inspect.signature(Accelerator).parameters)
+    assert list(inspect.signature(accelerate).parameters) == ["model", "optimizer", "loader", *keywords]
+    with pytest.raises(TypeError, match="precison"):
+        accelerate(*make(), precison="fp32")
+    # __init__ reads no attribute of its own before assigning it (the state's fields come as properties).
+    init = ast.parse(textwrap.dedent(inspect.getsource(Accelerator.__init__))).body[0]
+    assigned = {name for name in dir(Accelerator) if isinstance(getattr(Accelerator, name), property)}
+    for stmt in init.body:
+        nodes = [n for n in ast.walk(stmt) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)]
+        mine = [n for n in nodes if n.value.id == "self"]
+        read = {n.attr for n in mine if isinstance(n.ctx, ast.Load)}
+        assert read <= assigned, f"Accelerator.__init__ line {stmt.lineno} reads {read - assigned} before it is set"
+        assigned |= {n.attr for n in mine if isinstance(n.ctx, ast.Store)}
+
+
 def test_cpu_cache_settings(monkeypatch):
     for off in ("0", "false", "OFF", "No"):
         monkeypatch.setenv("FASTOPS_KEEP_FREED_MEMORY", off)
-        assert not _distributed.keep_freed_memory() and not Accelerator(precision="fp32").keeps_freed_memory
+        assert not _cpu_cache.keep_freed_memory() and not Accelerator(precision="fp32").keeps_freed_memory
     for on in ("1", "True", "on", "YES"):
         monkeypatch.setenv("FASTOPS_KEEP_FREED_MEMORY", on)
-        assert _distributed.keep_freed_memory()
+        assert _cpu_cache.keep_freed_memory()
     monkeypatch.setenv("FASTOPS_KEEP_FREED_MEMORY", "maybe")
     with pytest.raises(ValueError, match="FASTOPS_KEEP_FREED_MEMORY must be 1, true, on, yes or 0, false, off, no"):
-        _distributed.keep_freed_memory()
+        _cpu_cache.keep_freed_memory()
     monkeypatch.setenv("FASTOPS_KEEP_FREED_MEMORY", "1")
     for bad in ("1" + "0" * 20, "1.5", "-1", "lots"):
         monkeypatch.setenv("FASTOPS_CPU_CACHE_MB", bad)
         with pytest.raises(ValueError, match=f"FASTOPS_CPU_CACHE_MB must be a whole number of MiB .* got '{bad}'"):
-            _distributed.keep_freed_memory()
+            _cpu_cache.keep_freed_memory()
 
 
 def test_fp16_without_autocast_support(monkeypatch):

@@ -21,7 +21,6 @@ LAYERS = [
     ("_grads",),
     ("optim", "data"),
     ("amp",),
-    ("_parallel", "_dcp"),
     ("accelerate", "_patch"),
     ("fastops", "__main__", "demo", "compile_check"),
 ]

@@ -1,4 +1,4 @@
-"""Tensor, 2-D FSDP2 x TP and pipeline parallelism (fastops._parallel) and resharding checkpoints (fastops._dcp),
+"""Tensor, 2-D FSDP2 x TP and pipeline parallelism (accelerate/_parallel.py) and resharding checkpoints (_dcp.py),
 on gloo/CPU at 4 and 2 ranks against one process (tests/mp_worker.py holds the models and the reference).
 
 Each launch runs several cases in one process start per rank under a timeout that kills the ranks and fails:
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-import fastops._dcp as dcp
-import fastops._parallel as par
+from fastops.accelerate import _dcp as dcp
+from fastops.accelerate import _parallel as par
 from tests import mp_worker as w
 from tests.rounding import assert_as_accurate, assert_orders_agree
 from tests.test_accelerate import ROOT, _free_port, _start_group, _wait_group

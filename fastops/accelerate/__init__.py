@@ -38,6 +38,8 @@ Limits:
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 from typing import Iterable
 
@@ -45,39 +47,18 @@ import torch
 import torch.nn as nn
 
 from .. import amp
-from . import _auto, _checkpoint, _distributed, _loader, _model, _optimizer
-from ._distributed import STRATEGIES
+from . import _auto, _checkpoint, _cpu_cache, _distributed, _loader, _model, _optimizer
 from ._model import PRECISIONS
-from ._state import StepState
+from ._state import ProcessState, StepState
 
 __all__ = ["accelerate", "Accelerator"]
 
 
-def accelerate(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loader: Iterable | None = None,
-    *,
-    precision: str = "auto",
-    strategy: str = "auto",
-    grad_clip: float | None = None,
-    accumulate: int = 1,
-    compile: bool | str = "auto",
-    fused_loss: bool | str = "auto",
-    device: torch.device | str | None = None,
-    tp_size: int = 1,
-    pp_size: int = 1,
-    tp_plan: dict | None = None,
-    n_microbatches: int | None = None,
-    pp_schedule: str = "1f1b",
-):
-    """``model, optimizer, loader = fastops.accelerate(model, optimizer, loader)``; see ``Accelerator``.
-    The Accelerator is reachable afterwards as ``optimizer.accelerator`` (for ``save``/``load``)."""
-    acc = Accelerator(
-        precision=precision, strategy=strategy, grad_clip=grad_clip, accumulate=accumulate, compile=compile,
-        fused_loss=fused_loss, device=device, tp_size=tp_size, pp_size=pp_size, tp_plan=tp_plan, n_microbatches=n_microbatches,
-        pp_schedule=pp_schedule,
-    )
+def accelerate(model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable | None = None, **options):
+    """``model, optimizer, loader = fastops.accelerate(model, optimizer, loader)``; ``options`` are
+    ``Accelerator``'s keywords. The Accelerator is reachable afterwards as ``optimizer.accelerator`` (for
+    ``save``/``load``)."""
+    acc = Accelerator(**options)
     model, optimizer = acc.prepare(model, optimizer)
     return model, optimizer, (acc.prepare(loader) if loader is not None else None)
 
@@ -95,7 +76,7 @@ class Accelerator:
         strategy: "auto" (ddp when WORLD_SIZE > 1), "ddp", "fsdp" (FSDP2 fully_shard per block, then the root),
             "tp" (tensor parallel over ``tp_size`` ranks, data parallel over the rest), "fsdp+tp" (FSDP2 over dp
             and TP over ``tp_size`` on one device mesh), "pp" (``pp_size`` pipeline stages, data parallel over
-            the rest) or "none". See fastops._parallel.
+            the rest) or "none". See fastops.accelerate._parallel.
         tp_size, pp_size: ranks per TP group, pipeline stages.
         tp_plan: ``{module name pattern: "colwise" | "rowwise" | "sequence_parallel" | "replicate" | ParallelStyle}``;
             default: an HF transformers model's own plan (``model._tp_plan`` / ``config.base_model_tp_plan``).
@@ -109,17 +90,25 @@ class Accelerator:
             applied. (HF Accelerate by default steps at the end of every pass instead:
             ``GradientAccumulationPlugin(sync_with_dataloader=True)``.) Make the pass length a multiple of k,
             e.g. with ``drop_last`` and a batch count that divides, to keep steps aligned with epochs.
-        compile: torch.compile each repeated block of the model once (HF's ``_no_split_modules``, the items of a
-            ``ModuleList``/``Sequential`` of one class), the rest eager; a failed compile falls back to eager with a
-            warning (``_compile``).
-        fused_loss: an HF transformers model trained with ``labels`` computes its cross-entropy loss with
-            ``fastops.linear_cross_entropy`` (the loss and its gradients without the logits; rows whose label is
-            ignored cost nothing), and ``out.logits`` is None in those calls. Off by default because of that.
-            A head that does more than a linear map is left as it is, with a warning (``_fused_loss``).
+        compile: True, False or "auto" (the default): torch.compile each repeated block of the model once per
+            signature (HF's ``_no_split_modules``, the items of a ``ModuleList``/``Sequential`` of one class), the rest
+            eager; blocks where compiling does not pay (convolution blocks on the CPU) stay eager; a failed compile
+            falls back to eager with a warning (``_compile``). "auto" compiles where the rules of ``_auto`` say it
+            pays.
+        fused_loss: True, False or "auto" (the default): an HF transformers model trained with ``labels`` computes
+            its cross-entropy loss with ``fastops.linear_cross_entropy`` (the loss and its gradients without the
+            logits; rows whose label is ignored cost nothing); ``out.logits`` is built when something reads it.
+            "auto" decides at the first labeled call, from its shapes, whether the fused op is the faster one. A
+            head that does more than a linear map is left as it is (``_fused_loss``). ``decision`` holds what was
+            decided and why, logged in one line (logger ``fastops.accelerate``) at the first training call.
         device: default: cuda:LOCAL_RANK under a launcher that sets LOCAL_RANK (torchrun), the current CUDA
             device otherwise, and the CPU without CUDA. "cuda" without an index means the same device. On the
             CPU, freed blocks of 8 MiB and more are then kept for reuse (``keeps_freed_memory``; see
-            ``_distributed.keep_freed_memory``, FASTOPS_KEEP_FREED_MEMORY=0 to opt out).
+            ``_cpu_cache.keep_freed_memory``, FASTOPS_KEEP_FREED_MEMORY=0 to opt out).
+
+    Where it runs is ``state``, a frozen ``ProcessState`` made once (HF Accelerate's ``PartialState`` is the model);
+    its fields read as attributes: ``device``, ``distributed``, ``rank``, ``world_size``, ``local_rank``,
+    ``is_main``, ``strategy`` (resolved: never "auto"), ``mesh``, ``dp_rank``, ``dp_size``.
 
     ``prepare(*objects)`` takes a model, an optimizer, LR schedulers and loaders (model before optimizer) and
     returns them prepared, in the same order. ``save(path)``/``load(path)`` checkpoint everything.
@@ -147,8 +136,6 @@ class Accelerator:
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"fastops.accelerate: unknown precision {precision!r}; choose one of {PRECISIONS}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"fastops.accelerate: unknown strategy {strategy!r}; choose one of {STRATEGIES}")
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ValueError(f"fastops.accelerate: accumulate must be an int >= 1, got {accumulate!r}")
         if grad_clip is not None and not grad_clip > 0:
@@ -161,10 +148,10 @@ class Accelerator:
         self.decision = _auto.Decision()
         self.fused_head = None
 
-        _distributed.init_processes(self, device)
-        self.strategy = _distributed.resolve_strategy(strategy, self.world_size, self.distributed)
+        self.state = _distributed.process_state(device, strategy, tp_size, pp_size, tp_plan)
+        self.keeps_freed_memory = self.device.type == "cpu" and _cpu_cache.keep_freed_memory()
+        self.tp_plan = tp_plan
         self.n_microbatches, self.pp_schedule = n_microbatches or pp_size, pp_schedule
-        _distributed.init_mesh(self, tp_size, pp_size, tp_plan)
         self.precision, self.amp_dtype = _model.resolve_precision(precision, self.device)
         self.scaler: amp.GradScaler | None = None
         if self.precision == "fp16":
@@ -173,6 +160,8 @@ class Accelerator:
             _model.watch_user_scalers(self)
 
         self.model: nn.Module | None = None
+        self._inner: nn.Module | None = None  # the user's module, before DDP/TP wrapping
+        self.pipeline = None  # the pipeline schedule under strategy="pp" (_parallel.Pipeline)
         self.optimizer: torch.optim.Optimizer | None = None
         self.schedulers: list[_optimizer.Scheduler] = []
         self.loaders: list[_loader.Loader] = []
@@ -242,7 +231,7 @@ class Accelerator:
         state, so ``if acc.is_main: acc.save(path)`` hangs.
 
         Under "fsdp", "tp", "fsdp+tp" and "pp", ``path`` is a directory of shards (torch.distributed.checkpoint,
-        see fastops._dcp): each rank writes its own, no rank gathers the model, and it loads on another number
+        see _dcp.py): each rank writes its own, no rank gathers the model, and it loads on another number
         of ranks or in one process. The shards go to ``path.tmp``, which replaces ``path`` once every rank has
         written (a killed save leaves the previous checkpoint loadable); schedulers, scaler, counters and RNG
         states go in the same directory. ``full=True`` writes one consolidated file plain ``torch.load`` reads.
@@ -272,3 +261,19 @@ class Accelerator:
         truncated or mismatched file raises and leaves the current state as it was. A checkpoint saved by a
         different number of ranks loads with a warning: rank r then restores saved rank (r mod N)'s RNG state."""
         _checkpoint.load(self, os.fspath(path))
+
+
+def _state_field(name: str) -> property:
+    return property(lambda self: getattr(self.state, name), doc=f"``self.state.{name}`` (read-only)")
+
+
+for _name in [f.name for f in dataclasses.fields(ProcessState)] + ["is_main"]:
+    setattr(Accelerator, _name, _state_field(_name))
+del _name
+
+# accelerate's keywords are Accelerator's, written once: this shows them in help() and inspect.signature.
+accelerate.__signature__ = inspect.Signature([
+    *list(inspect.signature(accelerate).parameters.values())[:3],
+    *(p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+      for p in list(inspect.signature(Accelerator.__init__).parameters.values())[1:]),
+])

@@ -1,5 +1,5 @@
 """Accelerator checkpoints. Under every sharded strategy (fsdp, tp, fsdp+tp, pp) a directory of shards
-(fastops._dcp: no rank gathers the model, loads on another number of ranks or in one process); under ddp and
+(_dcp.py: no rank gathers the model, loads on another number of ranks or in one process); under ddp and
 none one file written atomically by rank 0 and checked against the prepared objects before a load changes
 anything. Both hold the schedulers, the fp16 scaler, the counters and each rank's RNG states. The one-file FSDP
 format of earlier versions (the gathered full state) still loads."""
@@ -63,7 +63,7 @@ def _extra(acc: "Accelerator") -> dict[str, torch.Tensor]:
 
 
 def _save_sharded(acc: "Accelerator", path: str, full: bool) -> None:
-    from .. import _dcp
+    from . import _dcp
 
     meta = _small(acc, _rngs(acc))
     with acc._step_state.raw_calls():  # get_state_dict may create the optimizer state with a step
@@ -71,7 +71,7 @@ def _save_sharded(acc: "Accelerator", path: str, full: bool) -> None:
 
 
 def _load_sharded(acc: "Accelerator", path: str) -> None:
-    from .. import _dcp
+    from . import _dcp
 
     if acc.model is None:
         raise ValueError("fastops.Accelerator.load: nothing is prepared yet; prepare the model (and optimizer) first")
@@ -126,7 +126,7 @@ def save(acc: "Accelerator", path: str, full: bool = False) -> None:
         return _save_sharded(acc, path, full)
     if full:
         raise ValueError("fastops.Accelerator.save: full=True is for sharded strategies; this checkpoint is one file")
-    from .. import _dcp
+    from . import _dcp
 
     rngs = _rngs(acc)
     # Also the barrier that keeps every rank in save until the file is in place.

@@ -1,11 +1,11 @@
-"""The processes behind an Accelerator: its device, the process group and ranks, the DDP/FSDP2 wrapping of the
-model, and the all-reduces that keep the grad statistics (clip norm, fp16 found_inf) global under FSDP2."""
+"""The processes behind an Accelerator: its device, the process group, ranks and mesh (one frozen
+``ProcessState``), the DDP/FSDP2 wrapping of the model, and the all-reduces that keep the grad statistics (clip
+norm, fp16 found_inf) global under FSDP2."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -14,40 +14,43 @@ import torch.nn as nn
 from .. import amp
 from .._ops import unscale_check_
 from .._util import resolve_device
-
-if TYPE_CHECKING:
-    from . import Accelerator
+from ._state import ProcessState
 
 STRATEGIES = ("auto", "ddp", "fsdp", "tp", "fsdp+tp", "pp", "none")
-MODEL_PARALLEL = ("tp", "fsdp+tp", "pp")  # on a device mesh (fastops._parallel)
+MODEL_PARALLEL = ("tp", "fsdp+tp", "pp")  # on a device mesh (fastops.accelerate._parallel)
 SHARDED = ("fsdp", *MODEL_PARALLEL)
-_FLAGS = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
 
 
-def init_processes(acc: "Accelerator", device: torch.device | str | None) -> None:
-    """Sets ``acc``'s device, ``distributed``, ``rank``, ``world_size``, ``local_rank``, ``is_main`` and
-    ``keeps_freed_memory``, and initializes the process group under a launcher (torchrun) that set RANK and
-    WORLD_SIZE when nobody has yet."""
+def process_state(device: torch.device | str | None, strategy: str, tp_size: int = 1, pp_size: int = 1,
+                  tp_plan=None) -> ProcessState:
+    """Where an Accelerator runs. Initializes the process group under a launcher (torchrun) that set RANK and
+    WORLD_SIZE when nobody has yet, resolves ``device`` and ``strategy`` ("auto": ddp with several ranks), and
+    builds the device mesh under model parallelism. Validates ``tp_size``/``pp_size``/``tp_plan`` against the
+    strategy; ``tp_plan`` itself is used by the model's preparation."""
+    if strategy not in STRATEGIES:  # before anything starts a process group
+        raise ValueError(f"fastops.accelerate: unknown strategy {strategy!r}; choose one of {STRATEGIES}")
     env = os.environ
     launched = "WORLD_SIZE" in env and "RANK" in env
     several = dist.is_available() and (launched or dist.is_initialized())
     local_rank = int(env["LOCAL_RANK"]) if several and "LOCAL_RANK" in env else None
-    acc.device = resolve_device(device, local_rank, who="fastops.accelerate")
+    device = resolve_device(device, local_rank, who="fastops.accelerate")
     if launched and not dist.is_initialized():
-        if acc.device.type == "cuda":
-            torch.cuda.set_device(acc.device)  # before NCCL creates its communicator
-        dist.init_process_group("nccl" if acc.device.type == "cuda" else "gloo")
-    acc.distributed = dist.is_available() and dist.is_initialized()
-    acc.rank = dist.get_rank() if acc.distributed else 0
-    acc.world_size = dist.get_world_size() if acc.distributed else 1
-    acc.local_rank = local_rank or 0
-    acc.is_main = acc.rank == 0
-    if acc.device.type == "cuda":
-        torch.cuda.set_device(acc.device)
-    acc.keeps_freed_memory = acc.device.type == "cpu" and keep_freed_memory()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # before NCCL creates its communicator
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    world_size = dist.get_world_size() if distributed else 1
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    strategy = _resolve_strategy(strategy, world_size, distributed)
+    mesh = _mesh(strategy, world_size, device, tp_size, pp_size, tp_plan)
+    dp_rank, dp_size = (rank, world_size) if mesh is None else (mesh["dp"].get_local_rank(), mesh["dp"].size())
+    return ProcessState(device=device, distributed=distributed, rank=rank, world_size=world_size,
+                        local_rank=local_rank or 0, strategy=strategy, mesh=mesh, dp_rank=dp_rank, dp_size=dp_size)
 
 
-def resolve_strategy(strategy: str, world_size: int, distributed: bool) -> str:
+def _resolve_strategy(strategy: str, world_size: int, distributed: bool) -> str:
     if strategy == "auto":
         strategy = "ddp" if world_size > 1 else "none"
     if strategy != "none" and not distributed:
@@ -58,56 +61,22 @@ def resolve_strategy(strategy: str, world_size: int, distributed: bool) -> str:
     return strategy
 
 
-def init_mesh(acc: "Accelerator", tp_size: int, pp_size: int, tp_plan) -> None:
-    """Sets ``acc.mesh`` (None outside model parallelism) and the data-parallel ``dp_rank``/``dp_size`` the
-    loader shards by: under TP or PP, ranks of one dp group see the same batches."""
-    acc.mesh, acc.tp_plan, acc.pipeline = None, tp_plan, None
-    acc.dp_rank, acc.dp_size = acc.rank, acc.world_size
-    if acc.strategy not in MODEL_PARALLEL:
+def _mesh(strategy: str, world_size: int, device: torch.device, tp_size: int, pp_size: int, tp_plan):
+    """The device mesh under model parallelism (None otherwise), after checking the sizes fit the strategy."""
+    if strategy not in MODEL_PARALLEL:
         if tp_size != 1 or pp_size != 1 or tp_plan is not None:
             raise ValueError(f"fastops.accelerate: tp_size, pp_size and tp_plan need strategy 'tp', 'fsdp+tp' or "
-                             f"'pp', not {acc.strategy!r}")
-        return
-    from .. import _parallel
-
-    if acc.strategy == "pp" and (pp_size < 2 or tp_size != 1):
+                             f"'pp', not {strategy!r}")
+        return None
+    if strategy == "pp" and (pp_size < 2 or tp_size != 1):
         raise ValueError(f"fastops.accelerate: strategy='pp' needs pp_size >= 2 (and tp_size=1), got "
                          f"pp_size={pp_size}, tp_size={tp_size}")
-    if acc.strategy != "pp" and (tp_size < 2 or pp_size != 1):
-        raise ValueError(f"fastops.accelerate: strategy={acc.strategy!r} needs tp_size >= 2 (and pp_size=1), got "
+    if strategy != "pp" and (tp_size < 2 or pp_size != 1):
+        raise ValueError(f"fastops.accelerate: strategy={strategy!r} needs tp_size >= 2 (and pp_size=1), got "
                          f"tp_size={tp_size}, pp_size={pp_size}")
-    acc.mesh = _parallel.make_mesh(acc.world_size, tp_size=tp_size, pp_size=pp_size, device_type=acc.device.type)
-    acc.dp_rank, acc.dp_size = acc.mesh["dp"].get_local_rank(), acc.mesh["dp"].size()
+    from . import _parallel
 
-
-def keep_freed_memory() -> bool:
-    """On the CPU, keep freed blocks of 8 MiB and more for reuse instead of unmapping them (fastops._C's
-    caching layer over torch's CPU allocator, csrc/cpu/cache.cpp). Returns whether it is in place.
-
-    glibc maps large blocks afresh and unmaps them on free, so each training step page-faults its large
-    activations back in: with the cache the BERT-like benchmark step went from about 300 to 245 ms, for the
-    cached blocks' memory (240 MiB there), at most FASTOPS_CPU_CACHE_MB (default 1024) MiB. Process-wide and
-    kept after training; FASTOPS_KEEP_FREED_MEMORY=0 (false, off, no) leaves torch's allocator as it is, and
-    ``fastops._backend._C.cpp.cpu_cache_empty()`` hands the blocks back."""
-    raw = os.environ.get("FASTOPS_KEEP_FREED_MEMORY", "1")
-    keep = _FLAGS.get(raw.strip().lower())
-    if keep is None:
-        raise ValueError(
-            f"FASTOPS_KEEP_FREED_MEMORY must be 1, true, on, yes or 0, false, off, no (any case), got {raw!r}"
-        )
-    from .._backend import _C
-
-    if not keep or _C is None:  # _C is None in the reference backend's world: no compiled parts, no cache
-        return False
-    raw = os.environ.get("FASTOPS_CPU_CACHE_MB", "1024")
-    largest = (2**63 - 1) >> 20  # the C++ side takes the limit in bytes as an int64
-    try:
-        limit_mb = int(raw)
-    except ValueError:
-        limit_mb = -1
-    if not 0 <= limit_mb <= largest:
-        raise ValueError(f"FASTOPS_CPU_CACHE_MB must be a whole number of MiB from 0 to {largest}, got {raw!r}")
-    return bool(_C.cpp.cpu_cache_enable(limit_mb << 20))
+    return _parallel.make_mesh(world_size, tp_size=tp_size, pp_size=pp_size, device_type=device.type)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

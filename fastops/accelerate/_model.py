@@ -110,7 +110,7 @@ def prepare_model(acc: "Accelerator", model: nn.Module) -> nn.Module:
         acc._step_state.regions = _compile.compile_regions(model, eager=_auto.region_stays_eager(acc.device))
     _auto.decide_channels_last(acc, model)
     if acc.strategy in ("tp", "fsdp+tp"):
-        from .. import _parallel
+        from . import _parallel
 
         wrapped = _parallel.parallelize(model, acc.mesh, acc.strategy, acc.tp_plan)
     else:
@@ -140,7 +140,7 @@ class PipelineModel(nn.Module):
 
 
 def _prepare_pipeline(acc: "Accelerator", model: nn.Module) -> nn.Module:
-    from .. import _parallel
+    from . import _parallel
 
     if acc.scaler is not None or acc.accumulate > 1 or acc.compile is True or acc.fused_loss is True:
         raise ValueError("fastops.accelerate: strategy='pp' supports neither fp16, accumulate > 1, compile nor "

@@ -50,7 +50,7 @@ def prepare_optimizer(acc: "Accelerator", opt: torch.optim.Optimizer) -> torch.o
         if acc.strategy == "fsdp":
             opt.grad_stats_fn = _distributed.fsdp_grad_stats
         elif acc.mesh is not None:
-            from .. import _parallel
+            from . import _parallel
 
             _parallel.global_grad_stats(opt, acc.mesh)
     elif acc.mesh is not None and (acc.grad_clip is not None or acc.scaler is not None):

@@ -1,12 +1,37 @@
-"""What the forward, the output hooks, ``backward`` and the patched optimizer step tell each other between two
-optimizer steps: one object per Accelerator, so every module reads and sets the same fields under the same
-names."""
+"""An Accelerator's state, in two objects.
+
+``ProcessState`` is where it runs (device, ranks, strategy, mesh): made once by ``_distributed.process_state``
+and frozen, as HF Accelerate's ``PartialState``; the Accelerator stores it as ``state`` and shows its fields as
+read-only attributes (``acc.device``, ``acc.rank``, ...).
+
+``StepState`` is what the forward, the output hooks, ``backward`` and the patched optimizer step tell each other
+between two optimizer steps: one object per Accelerator, so every module reads and sets the same fields under
+the same names."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessState:
+    device: torch.device  # with its index for CUDA (fastops._util.resolve_device)
+    distributed: bool  # a torch.distributed process group is initialized
+    rank: int
+    world_size: int
+    local_rank: int  # LOCAL_RANK under a launcher, else 0
+    strategy: str  # one of STRATEGIES less "auto"
+    mesh: Any  # the DeviceMesh with "dp" and "tp"/"pp" dims under tp, fsdp+tp and pp; else None
+    dp_rank: int  # the data-parallel rank and size the loader shards by: under TP or PP, the ranks of one dp
+    dp_size: int  # group see the same batches
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ Two hooks connect it to the layers above, both set per instance and read at ever
 - ``grad_stats_fn``: the one way to hand the step a global grad norm. None (the default) is
   ``fastops._grads.grad_stats``: the statistics of the grads this process holds. Set it where grads are sharded
   over processes, so that the clip and the skip decision agree on every rank: fastops.accelerate sets it under
-  FSDP2 (``fastops.accelerate._distributed.fsdp_grad_stats``, an all-reduce), ``fastops._parallel.
+  FSDP2 (``fastops.accelerate._distributed.fsdp_grad_stats``, an all-reduce), ``fastops.accelerate._parallel.
   global_grad_stats`` under TP/PP (a replicated grad counts once), a user with their own sharding sets their own.
   Called once per step that needs the norm (``max_grad_norm`` set, or a GradScaler handed over its scale without
   an ``unscale_`` first) as ``grad_stats_fn(grads, inv_scale)``: ``grads`` the local grads of the params the

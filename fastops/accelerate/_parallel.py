@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from . import _grads
+from .. import _grads
 
 STRATEGIES = ("tp", "fsdp+tp", "pp")
 
