@@ -17,10 +17,10 @@ from fastops.accelerate import _auto, _fused_loss
 transformers = pytest.importorskip("transformers")
 
 
-def _bert(hidden=32, layers=2, vocab=300):
+def _bert(hidden=32, layers=2, vocab=300, dropout=0.0):
     cfg = transformers.BertConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
                                   num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=64,
-                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+                                  hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)  # fmt: skip
     return transformers.BertForMaskedLM(cfg)
 
 
@@ -53,17 +53,20 @@ def test_options_take_true_false_or_auto(name, value):
 
 
 def test_compile_rules():
-    """Off for tiny blocks, conv nets on the CPU and models without a repeated block; on for transformer layers of
-    a real size (the benchmark's BERT 4x256); forced either way by True/False, except that conv blocks stay eager on
-    the CPU even then (compiled, they measured slower). Nothing compiles here: the regions compile at their first
-    call."""
+    """Off for tiny blocks, blocks with convolutions or dropout on the CPU and models without a repeated block; on for
+    transformer layers of a real size (BERT 4x256 without dropout); forced either way by True/False, except that
+    blocks with convolutions or dropout stay eager on the CPU even then (compiled, they measured slower). Nothing
+    compiles here: the regions compile at their first call."""
     torch.manual_seed(0)
     cases = [(_bert(), "auto", False, "blocks of at most"),
              (torchvision.models.resnet18(), "auto", False, "convolution blocks"),
              (nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), "auto", False, "no repeated block"),
              (_bert(hidden=256, layers=4), "auto", True, "regions BertEmbeddings, 4 x BertLayer"),
              (_bert(), True, True, "compile=True"), (_bert(hidden=256, layers=4), False, False, "compile=False"),
-             (torchvision.models.resnet18(), True, False, "compile=True, but every region stays eager: convolution")]
+             (torchvision.models.resnet18(), True, False, "compile=True, but every region stays eager: convolution"),
+             (_bert(hidden=256, layers=4, dropout=0.1), "auto", False, "blocks with dropout on the CPU"),
+             (_bert(dropout=0.1), True, False, "compile=True, but every region stays eager: blocks with dropout"),
+             (_llama(), True, True, "compile=True")]
     for model, asked, on, why in cases:
         _, _, _, acc = _prepare(model, compile=asked)
         assert acc.decision.compile is on and why in acc.decision.compile_why, (asked, acc.decision)
@@ -83,11 +86,14 @@ def test_a_short_loader_leaves_auto_compile_off():
 
 def test_fused_rule():
     cpu = torch.device("cpu")
-    assert _auto.fused_rule(rows=2048, labeled=307, vocab=8192, hidden=256, device=cpu)[0]
-    assert _auto.fused_rule(rows=2048, labeled=307, vocab=128000, hidden=256, device=cpu)[0]  # few rows labeled
-    assert _auto.fused_rule(rows=1016, labeled=1016, vocab=_auto.ALL_ROWS_MAX_VOCAB, hidden=256, device=cpu)[0]
-    on, why = _auto.fused_rule(rows=1016, labeled=1016, vocab=_auto.ALL_ROWS_MAX_VOCAB + 1, hidden=256, device=cpu)
-    assert not on and "1016 of 1016 rows labeled" in why
+    limit = _auto.ALL_ROWS_MAX_VOCAB
+    assert _auto.fused_rule(rows=2048, labeled=307, vocab=8192, hidden=256, device=cpu)[0] == "fused"
+    assert _auto.fused_rule(rows=2048, labeled=307, vocab=128000, hidden=256, device=cpu)[0] == "fused"
+    assert _auto.fused_rule(rows=1016, labeled=1016, vocab=limit, hidden=256, device=cpu)[0] == "fused"
+    mode, why = _auto.fused_rule(rows=1016, labeled=1016, vocab=limit + 1, hidden=256, device=cpu)
+    assert mode == "eager" and "1016 of 1016 rows labeled" in why
+    assert _auto.fused_rule(rows=1016, labeled=1016, vocab=limit + 1, hidden=256, device=cpu, compiled=True)[0] \
+        == "compiled"
 
 
 def _loss_and_grads(model, batch, **kw):
@@ -129,6 +135,34 @@ def test_auto_keeps_the_heads_own_loss_where_the_rule_says_it_is_faster(monkeypa
         assert torch.equal(g_auto[name], g), name
     # Later calls skip the stand-in: the head runs as it is.
     assert type(acc.model(**batch).logits) is torch.Tensor
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_where_the_blocks_compile_the_heads_own_loss_runs_compiled(monkeypatch, backend):
+    """All rows labeled above the rule's vocabulary, compile on: the model's own loss (matmul, fp32 upcast,
+    cross_entropy) through torch.compile, out.logits still built only when read. The "eager" backend runs the
+    same code as the model: equal bits; inductor (the regions too, here) fuses and rounds in another order (fp32,
+    a row of V = 300: the tolerances of tests/test_fused_loss.py)."""
+    from fastops.accelerate import _compile
+
+    monkeypatch.setattr(_auto, "ALL_ROWS_MAX_VOCAB", 200)
+    monkeypatch.setattr(_compile, "BACKEND", "eager")  # the regions: their mechanics only
+    torch.manual_seed(0)
+    model = _llama()
+    batch = _batch()
+    plain, g_plain, _ = _loss_and_grads(model, batch, fused_loss=False, compile=True)
+    monkeypatch.setattr(_compile, "BACKEND", backend)
+    got, g_got, acc = _loss_and_grads(model, batch, compile=True)
+    assert acc.decision.fused_loss is False and "runs compiled" in acc.decision.fused_why
+    assert acc.fused_head.mode == "compiled" and _fused_loss.is_lazy(got.logits)
+    rtol, gtol = (0, 0) if backend == "eager" else (2e-6, 4e-6)
+    torch.testing.assert_close(got.loss, plain.loss, rtol=rtol, atol=0)
+    scale = max(g.abs().max() for g in g_plain.values())
+    for name, g in g_plain.items():
+        assert (g_got[name] - g).abs().max() / scale <= gtol, name
+    # Under inductor the blocks' fused elementwise code rounds the hidden states in another order too: a logit
+    # (|z| < 1, a sum of 32 products) moves by a few fp32 ulps.
+    torch.testing.assert_close(got.logits, plain.logits, rtol=0, atol=0 if backend == "eager" else 1e-6)
 
 
 def test_the_decision_is_one_log_line_at_the_first_training_call(caplog):

@@ -21,7 +21,7 @@ def _samples():
     return [{k: v[0] for k, v in mlm_batch(g, batch=1).items()} for _ in range(4)] * STEPS  # losses fall
 
 
-def _trainer_run(tmp_path, patched: bool, models: bool = True):
+def _trainer_run(tmp_path, patched: bool):
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
@@ -29,7 +29,7 @@ def _trainer_run(tmp_path, patched: bool, models: bool = True):
         lr_scheduler_type="linear", per_device_train_batch_size=4, logging_steps=1, report_to="none",
         save_strategy="no", seed=0, disable_tqdm=True, dataloader_num_workers=0,
     )  # fmt: skip
-    with fastops.patched(models) if patched else _patched(False):
+    with _patched(patched):
         torch.manual_seed(0)
         model = bert()
         trainer = Trainer(model=model, args=args, train_dataset=_samples())
@@ -50,10 +50,13 @@ def test_hf_trainer_gets_the_fused_loss_and_trains_as_without(tmp_path):
     assert rel <= LOWP_RTOL, (plain["grad_norm"], fast["grad_norm"])
 
 
-def test_patch_models_false_leaves_models_alone(tmp_path):
-    model, _ = _trainer_run(tmp_path, True, models=False)
-    assert "_fastops_decision" not in model.__dict__
-    assert type(model(**mlm_batch(torch.Generator().manual_seed(0))).logits) is torch.Tensor
+def test_patch_models_false_leaves_models_alone():
+    torch.manual_seed(0)
+    model = bert()
+    with fastops.patched(models=False):
+        out = model(**mlm_batch(torch.Generator().manual_seed(0)))
+        assert type(torch.optim.AdamW(model.parameters())) is fastops.optim.AdamW  # the optimizers are patched
+    assert type(out.logits) is torch.Tensor and "_fastops_decision" not in model.__dict__
 
 
 def test_models_made_before_patch_and_unpatch():

@@ -168,13 +168,17 @@ def _cross_entropy(stand: _Logits, target, weight=None, size_average=None, ignor
             or target.dtype != torch.long or target.dim() != 1 or isinstance(w, torch.distributed.tensor.DTensor)):
         return None
     owner = stand._owner
-    if owner is not None and owner.on is None:
+    if owner is not None and owner.mode is None:
         owner.decide(rows=target.numel(), labeled=int((target != ignore_index).sum()), vocab=w.shape[0],
                      hidden=w.shape[1], device=x.device)
-    if owner is not None and not owner.on:
+    mode = "fused" if owner is None else owner.mode
+    if mode == "eager":
         return None
     dtype = stand._compute  # what F.linear would have computed in
     cast = (lambda t: t if t is None or t.dtype == dtype else t.to(dtype))
+    if mode == "compiled":
+        return _compiled_cross_entropy(owner, cast(x), cast(w), cast(b), target, ignore_index, reduction,
+                                       label_smoothing)
     # The loss is what cross_entropy gives on logits rounded to stand.dtype: the op's row pass runs in fp32 on
     # logits rounded to the matmul dtype, which is stand.dtype or finer (HF upcasts to fp32 before the loss).
     # cross_entropy runs in fp32 under autocast, and otherwise returns its logits' dtype (fp32 where HF upcasts).
@@ -198,13 +202,42 @@ def unfusable(model: nn.Module) -> str | None:
     return None
 
 
+def _linear_cross_entropy(x, weight, bias, target, ignore_index, reduction, label_smoothing):
+    with torch.autocast(x.device.type, enabled=False):  # x and weight come cast: the head's matmul dtype
+        logits = F.linear(x, weight, bias).float()
+        return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
+                               label_smoothing=label_smoothing)
+
+
+_compiled: dict = {}  # backend -> the compiled loss
+
+
+def _compiled_cross_entropy(owner, x, weight, bias, target, ignore_index, reduction, label_smoothing):
+    """The head's own loss (its matmul, the fp32 upcast, cross_entropy) compiled by inductor, which fuses the upcast,
+    log-softmax and loss of the forward and their backward into a few passes over the logits; where it fails to
+    compile, eager from then on, with one warning."""
+    from ._compile import BACKEND
+
+    args = (x, weight, bias, target, ignore_index, reduction, label_smoothing)
+    if BACKEND not in _compiled:
+        _compiled[BACKEND] = torch.compile(_linear_cross_entropy, backend=BACKEND)
+    try:
+        return _compiled[BACKEND](*args)
+    except torch._dynamo.exc.TorchDynamoException as e:
+        owner.mode = "eager"
+        warnings.warn(f"fastops.accelerate: compiling the loss failed, so it runs eagerly ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''})", RuntimeWarning, stacklevel=3)
+        return _linear_cross_entropy(*args)
+
+
 class FusedHead:
-    """The fused loss of one model. ``on``: True (fused), False (the head's own logits and loss), None while
-    ``rule`` has yet to decide it at the first fusable loss call: ``rule(rows, labeled, vocab, hidden, device)``
-    returns (on, reason)."""
+    """The fused loss of one model. ``mode``: "fused" (the fused op), "compiled" (the head's own loss, compiled),
+    "eager" (the head's own logits and loss, as without fastops), None while ``rule`` has yet to decide at the
+    first fusable loss call: ``rule(rows, labeled, vocab, hidden, device)`` returns (mode, reason). Except under
+    "eager", out.logits is built only when read."""
 
     def __init__(self, model: nn.Module, rule=None) -> None:
-        self.on = None if rule is not None else True
+        self.mode = None if rule is not None else "fused"
         self.rule = rule
         self.reason = "" if rule is not None else "fused_loss=True"
         self.listeners: list = []  # called once the rule has decided
@@ -213,7 +246,7 @@ class FusedHead:
         owner = self
 
         def forward(self, x):
-            if getattr(_ACTIVE, "on", False) and torch.is_grad_enabled() and owner.on is not False:
+            if getattr(_ACTIVE, "on", False) and torch.is_grad_enabled() and owner.mode != "eager":
                 if torch.is_autocast_enabled(x.device.type):
                     dtype = torch.get_autocast_dtype(x.device.type)
                 else:
@@ -233,16 +266,16 @@ class FusedHead:
 
         @functools.wraps(model_forward)
         def model_fused_forward(*args, **kwargs):
-            if not (model.training and kwargs.get("labels") is not None and owner.on is not False):
+            if not (model.training and kwargs.get("labels") is not None and owner.mode != "eager"):
                 return model_forward(*args, **kwargs)
             with _active():
                 out = model_forward(*args, **kwargs)
-            return _built(out) if owner.on is False else out
+            return _built(out) if owner.mode == "eager" else out
 
         model.forward = model_fused_forward
 
     def decide(self, **shapes) -> None:
-        self.on, self.reason = self.rule(**shapes)
+        self.mode, self.reason = self.rule(**shapes)
         for fn in self.listeners:
             fn(self)
 
