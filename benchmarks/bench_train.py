@@ -164,7 +164,8 @@ def _fastops(env=None, **options):
     return provider
 
 
-PROVIDERS = {FP32: torch_fp32, AMP_REF: torch_amp, AMP_NOISE: torch_amp_perturbed, HF: hf_accelerate_bf16, COMPILE: torch_compile_recipe,
+PROVIDERS = {FP32: torch_fp32, AMP_REF: torch_amp, AMP_NOISE: torch_amp_perturbed, HF: hf_accelerate_bf16,
+             COMPILE: torch_compile_recipe,
              FASTOPS: _fastops(),
              F_EAGER: _fastops(compile=False, fused_loss=False), F_COMPILE: _fastops(compile=True, fused_loss=False),
              F_FUSED: _fastops(compile=False, fused_loss=True), F_BOTH: _fastops(compile=True, fused_loss=True),
@@ -380,8 +381,9 @@ def main() -> int:
                                                         args.profile)
             all_losses[name] = losses
             profiles[name] = case_profiles
-            print(f"  {case_rows[0]['gflop_per_step']:.1f} GFLOP per step; bf16 GEMM peak {case_rows[0]['peak_gflops']:.0f} "
-                  f"GFLOP/s", flush=True)
+            first = case_rows[0]
+            print(f"  {first['gflop_per_step']:.1f} GFLOP per step; bf16 GEMM peak {first['peak_gflops']:.0f} GFLOP/s",
+                  flush=True)
             print_rows(case_rows)
             summary[key] = targets(key, case_rows)
             rows += case_rows
@@ -390,7 +392,8 @@ def main() -> int:
         print(f"LOSS MISMATCH: {r['size']} {r['provider']}: last {LOSS_TAIL} losses {r['loss_check']}")
     load = os.getloadavg()
     meta = {"device": device, "hardware": common.hardware(device), "torch": torch.__version__, "rounds": rounds,
-            "warmup": warmup, "blocks": blocks, "threads": torch.get_num_threads(), "clock": CLOCK, "loss_tail": LOSS_TAIL,
+            "warmup": warmup, "blocks": blocks, "threads": torch.get_num_threads(), "clock": CLOCK,
+            "loss_tail": LOSS_TAIL,
             "same_recipe_rtol": SAME_RECIPE_RTOL, "bf16_vs_fp32_rtol": BF16_VS_FP32_RTOL, "claims": CLAIMS,
             "targets": summary, "losses": all_losses, "loadavg_at_start": start_load, "loadavg_at_end": load,
             "seconds": round(time.perf_counter() - start), "argv": sys.argv[1:],

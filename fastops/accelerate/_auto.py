@@ -237,5 +237,6 @@ def describe(device: torch.device) -> list[str]:
              f"fused_loss='auto': HF models with a linear head, decided at the first labeled call: on when at most "
              f"{MAX_LABELED_SHARE:.0%} of the rows are labeled, or the vocabulary is at most {ALL_ROWS_MAX_VOCAB}"]
     if device.type == "cpu":
-        lines.append("channels_last: conv nets in bf16" + ("" if precision == "bf16" else " (not here: no native bf16)"))
+        here = "" if precision == "bf16" else " (not here: no native bf16)"
+        lines.append("channels_last: conv nets in bf16" + here)
     return lines

@@ -17,6 +17,7 @@ optimizer steps, in one warning, since each means compile time spent again or co
 
 from __future__ import annotations
 
+import itertools
 import types
 import warnings
 
@@ -61,10 +62,16 @@ def signature(module: nn.Module) -> tuple:
     return parts, tensors
 
 
-def _entry(tag: int):
+_TAGS = itertools.count()
+
+
+def _entry():
     """A function of its own code object for one signature: dynamo keeps its compiled graphs and its recompile
     count per code object, so blocks of different shapes (ResNet's stages) neither recompile each other nor
-    push one another to dynamic shapes, and none counts against another's recompile limit."""
+    push one another to dynamic shapes, and none counts against another's recompile limit. The name is unique
+    in the process: dynamo remembers which sizes changed by (file, line, name), so a second model's region of
+    the same name would start out dynamic."""
+    tag = next(_TAGS)
 
     def region(call, *args, **kwargs):
         return call(*args, **kwargs)
@@ -96,7 +103,7 @@ class _Regions:
         for module in self.modules:
             key = signature(module)
             if key not in groups:
-                groups[key] = torch.compile(_entry(len(groups)), backend=BACKEND, dynamic=dynamic)
+                groups[key] = torch.compile(_entry(), backend=BACKEND, dynamic=dynamic)
             module._compiled_call_impl = self._guarded(groups[key], module._call_impl)
         self.signatures = len(groups)
 

@@ -156,7 +156,8 @@ def _reshape(stand: _Logits, shape_args):
     if not shape or not all(isinstance(s, int) for s in shape) or shape[-1] != stand.shape[-1]:
         return None
     shape = tuple(shape)
-    return stand._like(lambda real: real.reshape(shape), x=stand._parts[0].reshape(*shape[:-1], stand._parts[0].shape[-1]))
+    x = stand._parts[0]
+    return stand._like(lambda real: real.reshape(shape), x=x.reshape(*shape[:-1], x.shape[-1]))
 
 
 def _cross_entropy(stand: _Logits, target, weight=None, size_average=None, ignore_index=-100, reduce=None,

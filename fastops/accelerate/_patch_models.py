@@ -42,7 +42,8 @@ def apply_rules(model: nn.Module) -> _auto.Decision:
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     amp = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-    ctx = types.SimpleNamespace(device=device, strategy="none", amp_dtype=amp, decision=_auto.Decision(prefix="fastops.patch: " + type(model).__name__))
+    decision = _auto.Decision(prefix=f"fastops.patch: {type(model).__name__}")
+    ctx = types.SimpleNamespace(device=device, strategy="none", amp_dtype=amp, decision=decision)
     model._fastops_decision = ctx.decision
     _auto.decide_fused(ctx, model, _auto.AUTO)
     ctx.decision.compile, ctx.decision.compile_why = _auto.decide_compile(ctx, model, _auto.AUTO)
