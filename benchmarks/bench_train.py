@@ -25,7 +25,7 @@ turns, so load from other processes hits them alike; medians with 20/80% quantil
 all runs. Loss curves are compared at the end (see loss_check); a mismatch gives exit status 1.
 
     python benchmarks/bench_train.py                        # every model on the CPU
-    python benchmarks/bench_train.py --quick                # smoke run (841 s with --rounds 2 at a load of 4-8 on 2 cores)
+    python benchmarks/bench_train.py --quick                # smoke run (841 s, --rounds 2, load 4-8 on 2 cores)
     python benchmarks/bench_train.py --quick --device cuda  # full configs on a GPU
     python benchmarks/bench_train.py --models bert --rounds 6 --profile 2 --out scratch_train
         # short run of one model, then a torch.profiler table per provider (2 steps each)

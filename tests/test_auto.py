@@ -94,6 +94,11 @@ def test_fused_rule():
     assert mode == "eager" and "1016 of 1016 rows labeled" in why
     assert _auto.fused_rule(rows=1016, labeled=1016, vocab=limit + 1, hidden=256, device=cpu, compiled=True)[0] \
         == "compiled"
+    # fp16 (a loss scaler's skipped steps must follow the run without fastops: test_frameworks' fp16 tests)
+    mode, why = _auto.fused_rule(rows=2048, labeled=307, vocab=8192, hidden=256, device=cpu, dtype=torch.float16)
+    assert mode == "eager" and why.startswith("fp16")
+    assert _auto.fused_rule(rows=2048, labeled=307, vocab=8192, hidden=256, device=cpu, dtype=torch.bfloat16)[0] \
+        == "fused"
 
 
 def _loss_and_grads(model, batch, **kw):

@@ -153,10 +153,16 @@ def short_run(acc: "Accelerator", batches: int) -> None:
     d.compile_why = f"the loader has {batches} batches a pass: too few steps to repay the compile time"
 
 
-def fused_rule(rows: int, labeled: int, vocab: int, hidden: int, device: torch.device,
+def fused_rule(rows: int, labeled: int, vocab: int, hidden: int, device: torch.device, dtype=None,
                compiled: bool = False) -> tuple[str, str]:
     """Which loss is the faster at the first loss call's shapes: "fused" (the fused op), else the head's own loss,
-    "compiled" where the model's blocks are compiled anyway, "eager" otherwise."""
+    "compiled" where the model's blocks are compiled anyway, "eager" otherwise. ``dtype``: what the head's matmul
+    computes in."""
+    if dtype == torch.float16:
+        # Under fp16 a loss scaler skips the steps whose gradients overflow; the fused loss's gradients overflow
+        # at other scales than the head's (HF Trainer and Accelerate fp16 runs skipped other steps and ended at
+        # a 4x lower scale), so "auto" keeps the head's loss there and skipped steps follow the run without it.
+        return "eager", "fp16: the head's own loss runs, so a loss scaler skips the steps it skips without fastops"
     share = labeled / max(rows, 1)
     what = f"{labeled} of {rows} rows labeled, vocabulary {vocab}"
     if share <= MAX_LABELED_SHARE:

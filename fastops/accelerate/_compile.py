@@ -87,7 +87,8 @@ class _Regions:
         from torch._dynamo.utils import counters
 
         self.counters = counters
-        self.start = {"unique_graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
+        self.start = {"unique_graphs": counters["stats"]["unique_graphs"],
+                      "breaks": sum(counters["graph_break"].values())}
         self.failed: str | None = None
         self.reported = False
         regions = find_regions(model) or [model]

@@ -138,6 +138,11 @@ def _before_step(optimizer, args, kwargs) -> None:
     _UNCAST.clear()
 
 
+# Not a watcher of the step calls (fastops.amp._step_is_watched): it runs on skipped steps too, harmlessly, so
+# fastops' scaler keeps handing the skip to the step instead of reading the grads' finiteness on the host.
+_before_step._fastops_hook = True
+
+
 def is_lazy(t) -> bool:
     """Whether ``t`` is logits not built yet (a fused-loss model's ``out.logits`` in training)."""
     return isinstance(t, _Logits) and t._real is None
@@ -152,7 +157,8 @@ def _only_dtype(args, kwargs):
 
 
 def _reshape(stand: _Logits, shape_args):
-    shape = shape_args[0] if len(shape_args) == 1 and isinstance(shape_args[0], (tuple, list, torch.Size)) else shape_args
+    one = len(shape_args) == 1 and isinstance(shape_args[0], (tuple, list, torch.Size))
+    shape = shape_args[0] if one else shape_args
     if not shape or not all(isinstance(s, int) for s in shape) or shape[-1] != stand.shape[-1]:
         return None
     shape = tuple(shape)
@@ -171,7 +177,7 @@ def _cross_entropy(stand: _Logits, target, weight=None, size_average=None, ignor
     owner = stand._owner
     if owner is not None and owner.mode is None:
         owner.decide(rows=target.numel(), labeled=int((target != ignore_index).sum()), vocab=w.shape[0],
-                     hidden=w.shape[1], device=x.device)
+                     hidden=w.shape[1], device=x.device, dtype=stand._compute)
     mode = "fused" if owner is None else owner.mode
     if mode == "eager":
         return None
