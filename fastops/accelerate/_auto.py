@@ -241,7 +241,8 @@ def describe(device: torch.device) -> list[str]:
                 if device.type == "cpu" else "")
              + f", not when the loader has fewer than {MIN_STEPS} batches a pass",
              f"fused_loss='auto': HF models with a linear head, decided at the first labeled call: on when at most "
-             f"{MAX_LABELED_SHARE:.0%} of the rows are labeled, or the vocabulary is at most {ALL_ROWS_MAX_VOCAB}"]
+             f"{MAX_LABELED_SHARE:.0%} of the rows are labeled, or the vocabulary is at most {ALL_ROWS_MAX_VOCAB}; "
+             "off under fp16 autocast (a loss scaler's skipped steps follow the run without fastops)"]
     if device.type == "cpu":
         here = "" if precision == "bf16" else " (not here: no native bf16)"
         lines.append("channels_last: conv nets in bf16" + here)
