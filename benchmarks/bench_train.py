@@ -25,7 +25,7 @@ turns, so load from other processes hits them alike; medians with 20/80% quantil
 all runs. Loss curves are compared at the end (see loss_check); a mismatch gives exit status 1.
 
     python benchmarks/bench_train.py                        # every model on the CPU
-    python benchmarks/bench_train.py --quick                # smoke run (841 s with --rounds 2 at a load of 4-8 on 2 cores)
+    python benchmarks/bench_train.py --quick                # smoke run (841 s, --rounds 2, load 4-8 on 2 cores)
     python benchmarks/bench_train.py --quick --device cuda  # full configs on a GPU
     python benchmarks/bench_train.py --models bert --rounds 6 --profile 2 --out scratch_train
         # short run of one model, then a torch.profiler table per provider (2 steps each)
@@ -40,6 +40,7 @@ import contextlib
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -49,33 +50,43 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import train_profile  # noqa: E402
 
 from fastops.accelerate import accelerate  # noqa: E402
 
-# The seed's claims against plain fp32 (README), and the targets on the CPU: fastops beats each claim and is
-# at least HF_TARGET x HF Accelerate bf16.
-CLAIMS = {"resnet": 1.30, "maskrcnn": 1.40, "bert": 1.20, "llama": 1.20}
-HF_TARGET = 1.1
-# Loss checks over the last LOSS_TAIL steps (mean of |loss - loss_ref| / loss_ref at the same steps); the
-# measurements behind the tolerances are in loss_check's docstring.
-LOSS_TAIL = 5
-FP32, AMP_REF, HF, FASTOPS = "torch fp32", "torch AMP recipe", "HF Accelerate bf16", "fastops.accelerate"
-COMPILE, FASTOPS_COMPILE, FASTOPS_FUSED = "torch.compile recipe", "fastops compile=True", "fastops fused_loss"
-SAME_RECIPE_RTOL = 2e-3  # a bf16 provider against torch's own bf16 autocast recipe
-BF16_VS_FP32_RTOL = 5e-2  # torch's bf16 recipe against fp32
-
+from train_report import (AMP_NOISE, AMP_REF, CLAIMS, COMPILE, EXPLICIT, F_BOTH, F_COMPILE, F_EAGER,  # noqa: E402
+                          F_FUSED, F_NCHW, FASTOPS, FP32, HF, LOSS_TAIL, PEAK, PEERS, SAME_RECIPE_RTOL,
+                          BF16_VS_FP32_RTOL, loss_check, print_rows, targets)
 from train_cases import CASES  # noqa: E402
-
 
 
 # ---- data ------------------------------------------------------------------------------------------------
 
 
+class _Run(torch.utils.data.Dataset):
+    """The batches, cycled, as a pass of RUN_STEPS: a training run of ordinary length, of which the benchmark
+    times a window (fastops' compile="auto" leaves a short run uncompiled)."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return RUN_STEPS
+
+    def __getitem__(self, i: int):
+        return self.batches[i % len(self.batches)]
+
+
+RUN_STEPS = 10_000
+# "wall" (time.perf_counter), or "cpu": the process's CPU time (time.process_time, every thread), steadier than
+# wall time on a machine other processes load, at one thread (--threads 1) where no thread waits on another.
+CLOCK = "wall"
+
+
 def _loader(batches: list) -> DataLoader:
-    # The list is the map-style dataset; batch_size=None: its items are whole batches. Its own generator: a
-    # DataLoader without one draws its base seed from the global RNG when iterated, and the dropout masks would
-    # then differ by provider.
-    return DataLoader(batches, batch_size=None, generator=torch.Generator().manual_seed(0))
+    # batch_size=None: the dataset's items are whole batches. Its own generator: a DataLoader without one draws
+    # its base seed from the global RNG when iterated, and the dropout masks would then differ by provider.
+    return DataLoader(_Run(batches), batch_size=None, generator=torch.Generator().manual_seed(0))
 
 
 # ---- providers: each returns an iterator whose next() runs one training step and gives the loss ------------
@@ -111,6 +122,17 @@ def torch_amp(case, model, loader, device):
     return _steps(model, opt, loader, case["loss"], device, amp_dtype=torch.bfloat16)
 
 
+def torch_amp_perturbed(case, model, loader, device):
+    """The AMP recipe from params each moved by one bf16 rounding (x (1 +- 2^-9), signs drawn from their own
+    generator): how far the recipe's losses move on rounding alone, the noise every bf16 provider is held to."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            sign = torch.randint(0, 2, p.shape, generator=g).to(p.dtype) * 2 - 1
+            p.mul_(1 + sign * 2.0**-9)
+    return torch_amp(case, model, loader, device)
+
+
 def hf_accelerate_bf16(case, model, loader, device):
     from accelerate import Accelerator
 
@@ -127,21 +149,27 @@ def torch_compile_recipe(case, model, loader, device):
     return _steps(torch.compile(model), opt, loader, case["loss"], device, amp_dtype=torch.bfloat16)
 
 
-def _fastops(**options):
+def _fastops(env=None, **options):
     def provider(case, model, loader, device):
-        extra = {k: v for k, v in options.items() if k != "fused_loss" or case.get("lm")}
-        model, opt, loader = accelerate(model, case["opt"](model.parameters()), loader, device=device, **extra)
+        os.environ.update(env or {})  # this worker's process only
+        model, opt, loader = accelerate(model, case["opt"](model.parameters()), loader, device=device, **options)
         # precision="auto" picks fp32 on a CPU without native bf16; the loss check then compares it with fp32.
         provider.precision = opt.accelerator.precision
         provider.optimizer = f"{type(opt).__module__}.{type(opt).__name__}"
+        provider.decision = opt.accelerator.decision.line() if hasattr(opt.accelerator, "decision") else ""
         return _steps(model, opt, loader, case["loss"], device)
 
+    provider.lm_only = "fused_loss" in options and options["fused_loss"]
+    provider.conv_only = env is not None and "FASTOPS_CHANNELS_LAST" in env
     return provider
 
 
-PROVIDERS = {FP32: torch_fp32, AMP_REF: torch_amp, HF: hf_accelerate_bf16, COMPILE: torch_compile_recipe,
-             FASTOPS: _fastops(), FASTOPS_COMPILE: _fastops(compile=True),
-             FASTOPS_FUSED: _fastops(fused_loss=True, compile=True)}
+PROVIDERS = {FP32: torch_fp32, AMP_REF: torch_amp, AMP_NOISE: torch_amp_perturbed, HF: hf_accelerate_bf16,
+             COMPILE: torch_compile_recipe,
+             FASTOPS: _fastops(),
+             F_EAGER: _fastops(compile=False, fused_loss=False), F_COMPILE: _fastops(compile=True, fused_loss=False),
+             F_FUSED: _fastops(compile=False, fused_loss=True), F_BOTH: _fastops(compile=True, fused_loss=True),
+             F_NCHW: _fastops(env={"FASTOPS_CHANNELS_LAST": "0"}, compile=False, fused_loss=False)}
 
 
 def _start(case: dict, label: str, steps: int, device: str):
@@ -150,46 +178,88 @@ def _start(case: dict, label: str, steps: int, device: str):
     return PROVIDERS[label](case, case["make"](), _loader(batches), device)
 
 
-def run_provider(case: dict, label: str, steps: int, device: str) -> dict:
-    """``steps`` training steps of one provider from the shared initial weights: per-step ms and losses."""
-    it = _start(case, label, steps, device)
+def run_provider(case: dict, label: str, steps: int, device: str, profile_steps: int = 0) -> dict:
+    """``steps`` training steps of one provider from the shared initial weights: per-step ms and losses, the
+    training memory, and with ``profile_steps`` a profiler breakdown of that many more steps."""
+    it = _start(case, label, steps + profile_steps, device)
     losses: list[float] = []
 
     def reseed() -> None:  # same dropout masks and proposal samples for every provider (CUDA's generators too)
         torch.manual_seed(1000 + len(losses))
 
+    cuda = torch.device(device).type == "cuda"
+    rss0 = None if cuda else train_profile.rss_start()
     # The step is done (and synced) once its loss is on the host.
-    times = common.time_samples(lambda: losses.append(next(it).item()), device, steps, warmup=0, reset=reseed)
+    clock = time.process_time if CLOCK == "cpu" else time.perf_counter
+    times, first_wall = [], None
+    for _ in range(steps):
+        reseed()
+        common.sync(device)
+        t, w = clock(), time.perf_counter()
+        losses.append(next(it).item())
+        times.append(1e3 * (clock() - t))
+        first_wall = first_wall or 1e3 * (time.perf_counter() - w)  # wall: compile workers are other processes
+    if cuda:
+        mem = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = train_profile.rss_peak()
+        mem = None if rss0 is None or peak is None else peak - rss0
+    out = {"times": times, "first_wall_ms": first_wall, "losses": losses,
+           "mem_mib": None if mem is None else round(mem, 1)}
+    if profile_steps:
+        reseed()
+        out["breakdown"], out["profile"] = train_profile.profile(lambda: next(it).item(), profile_steps, label)
     it.close()
     make = PROVIDERS[label]
-    if torch.device(device).type == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2**20
-    else:  # the process's peak resident set: each provider runs in a process of its own
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"times": times, "losses": losses, "peak_mem_mib": round(peak, 1), "precision": getattr(make, "precision", "fp32" if label == FP32 else "bf16"),
-            "optimizer": getattr(make, "optimizer", None)}  # fmt: skip
+    out.update(precision=getattr(make, "precision", "fp32" if label == FP32 else "bf16"),
+               optimizer=getattr(make, "optimizer", None), decision=getattr(make, "decision", ""))
+    return out
 
 
-def _in_process(model_key: str, label: str, steps: int, device: str) -> dict:
-    """run_provider in a fresh interpreter (``--worker``): fastops.accelerate changes process-wide state on
-    the CPU (it keeps freed memory in the process), which must not reach the providers measured against it."""
-    return common.in_fresh_process(__file__, ["--worker", model_key, label, str(steps), "--device", device])
+def _in_process(args: list[str], cache_dir: str | None = None) -> dict:
+    """A worker (``--worker`` ...) in a fresh interpreter: fastops.accelerate changes process-wide state on the
+    CPU (it keeps freed memory in the process), which must not reach the providers measured against it.
+    ``cache_dir``: inductor's cache for this provider (empty at its first run: the first step is a cold
+    compile, as a user's first run is)."""
+    env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if cache_dir is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    try:
+        return common.in_fresh_process(__file__, args)
+    finally:
+        if env is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = env
 
 
-def run_case(model_key: str, labels: list[str], rounds: int, warmup: int, blocks: int, device: str):
+def _applies(label: str, case: dict) -> bool:
+    make = PROVIDERS[label]
+    if getattr(make, "conv_only", False):
+        return not case.get("lm")
+    return not getattr(make, "lm_only", False) or bool(case.get("lm"))
+
+
+def run_case(model_key: str, labels: list[str], rounds: int, warmup: int, blocks: int, device: str,
+             cache_root: str, profile_steps: int = 0):
     """Each provider runs in its own process, ``blocks`` times in turn (providers alternate, so load from other
-    processes on a shared machine hits them alike); the first ``warmup`` steps of each run are not timed."""
+    processes on a shared machine hits them alike); the first ``warmup`` steps of each run are not timed. The
+    GEMM peak is sampled in the same rounds; the FLOPs of a step are counted once, in a process of their own."""
     case = CASES[model_key](torch.device(device).type == "cuda")
+    labels = [x for x in labels if _applies(x, case)]
     losses: dict[str, list[float]] = {}
     info: dict[str, dict] = {}
     rerun_diff = {label: 0.0 for label in labels}
     first_ms: dict[str, float] = {}
-    peak_mib: dict[str, float] = {}
+    mem_mib: dict[str, float] = {}
+    runs = {label: 0 for label in labels}
 
     def run(label: str) -> list[float]:
-        out = _in_process(model_key, label, rounds + warmup, device)
+        runs[label] += 1
+        profile = profile_steps if runs[label] == blocks else 0  # the last run profiles after its timed steps
+        cache = os.path.join(cache_root, f"{model_key}-{label}".replace(" ", "_").replace("=", ""))
+        out = _in_process(["--worker", model_key, label, str(rounds + warmup), "--device", device,
+                           "--profile", str(profile), *_THREAD_ARGS], cache)
         # Same weights, batches, dropout masks and samples in every run; oneDNN's convolutions still differ in
         # the last bits from run to run, so the runs' agreement is reported, not required.
         if label in losses:
@@ -197,53 +267,69 @@ def run_case(model_key: str, labels: list[str], rounds: int, warmup: int, blocks
             rerun_diff[label] = max(rerun_diff[label], diff)
         else:
             losses[label], info[label] = out["losses"], out
-        first_ms.setdefault(label, out["times"][0])  # with compile providers: the compile time
-        peak_mib[label] = max(peak_mib.get(label, 0.0), out["peak_mem_mib"])
+        if "breakdown" in out:
+            info[label]["breakdown"], info[label]["profile"] = out["breakdown"], out["profile"]
+        first_ms.setdefault(label, out["first_wall_ms"])  # the first run's: a cold compile for compile providers
+        if out["mem_mib"] is not None:
+            mem_mib[label] = max(mem_mib.get(label, 0.0), out["mem_mib"])
         return out["times"][warmup:]
 
-    samples = common.interleaved({label: (lambda label=label: run(label)) for label in labels}, blocks)
+    measure = {label: (lambda label=label: run(label)) for label in labels}
+    measure[PEAK] = lambda: _in_process(["--peak", "--device", device, *_THREAD_ARGS])["samples"]
+    samples = common.interleaved(measure, blocks)
+    peak_ms = statistics.median(samples.pop(PEAK))
+    peak = train_profile.gemm_gflops(peak_ms)
+    flops = _in_process(["--flops", model_key, "--device", device])["flops"]
     check = loss_check(losses, {k: v["precision"] for k, v in info.items()})
-    rows = [common.row(
-        "train", label, case["name"], xs, device, size_unit="config", model=model_key,
-        precision=info[label]["precision"], optimizer=info[label]["optimizer"], seed_claim_vs_fp32=CLAIMS[model_key],
-        first_loss=round(losses[label][0], 5), tail_loss=round(check[label]["tail_loss"], 5),
-        tail_rel_diff_vs_fp32=float(f"{check[label]['rel_diff_fp32']:.3g}"),
-        tail_rel_diff_vs_amp=float(f"{check[label].get('rel_diff_amp', float('nan')):.3g}"),
-        loss_check="; ".join(check[label]["fail"]) or "ok", rerun_loss_rel_diff=float(f"{rerun_diff[label]:.3g}"),
-        first_step_ms=round(first_ms[label], 1), peak_mem_mib=peak_mib[label],
-    ) for label, xs in samples.items()]  # fmt: skip
-    common.speedup_vs(rows, FP32, "speedup_vs_fp32")
-    common.speedup_vs(rows, HF, "vs_hf_accelerate")
-    if COMPILE in samples:
-        common.speedup_vs(rows, COMPILE, "vs_torch_compile")
-    return rows, losses
+    rows = []
+    for label, xs in samples.items():
+        ms = statistics.median(xs)
+        extra = {}
+        if "breakdown" in info[label]:
+            bd = info[label]["breakdown"]
+            extra = {"breakdown_ms": bd, "gemm_share": round(bd.get("gemm+conv", 0.0) / bd["wall"], 3),
+                     "gemm_efficiency": round(flops / (bd.get("gemm+conv", 0.0) + bd.get("fused loss", 0.0)
+                                                       + bd.get("attention", 0.0)) / 1e6 / peak, 3)}
+        rows.append(common.row(
+            "train", label, case["name"], xs, device, size_unit="config", model=model_key,
+            precision=info[label]["precision"], optimizer=info[label]["optimizer"],
+            seed_claim_vs_fp32=CLAIMS[model_key], first_loss=round(losses[label][0], 5),
+            tail_loss=round(check[label]["tail_loss"], 5),
+            tail_rel_diff_vs_fp32=float(f"{check[label].get('rel_diff_fp32', float('nan')):.3g}"),
+            tail_rel_diff_vs_amp=float(f"{check[label].get('rel_diff_amp', float('nan')):.3g}"),
+            loss_check="; ".join(check[label]["fail"]) or "ok", rerun_loss_rel_diff=float(f"{rerun_diff[label]:.3g}"),
+            first_step_ms=round(first_ms[label], 1), train_mem_mib=mem_mib.get(label),
+            gflop_per_step=round(flops / 1e9, 2), peak_gflops=round(peak, 1),
+            mfu=round(flops / (ms / 1e3) / (peak * 1e9), 3), decision=info[label].get("decision", ""), **extra))
+    for ref, column in ((FP32, "speedup_vs_fp32"), (HF, "vs_hf_accelerate"), (COMPILE, "vs_torch_compile")):
+        if ref in samples:
+            common.speedup_vs(rows, ref, column)
+    best = [r for r in rows if r["provider"] in PEERS]
+    if best:
+        ref = min(best, key=lambda r: r["ms"])
+        for r in rows:
+            r["vs_best_peer"], r["best_peer"] = round(ref["ms"] / r["ms"], 3), ref["provider"]
+    explicit = [r for r in rows if r["provider"] in EXPLICIT]
+    if explicit:
+        fastest = min(explicit, key=lambda r: r["ms"])
+        for r in rows:
+            r["vs_fastest_explicit"] = round(fastest["ms"] / r["ms"], 3)
+    profiles = {label: info[label]["profile"] for label in labels if "profile" in info[label]}
+    return rows, losses, profiles
 
 
-def loss_check(losses: dict[str, list[float]], precision: dict[str, str]) -> dict[str, dict]:
-    """Per provider, the mean of its last LOSS_TAIL losses, and their mean relative difference from torch
-    fp32's and from torch's bf16 AMP recipe's (AMP_REF) at the same steps: same batches, dropout masks and
-    proposal samples. Failures are listed under "fail". A provider that ran in fp32 (``precision``) is held to
-    torch fp32 with SAME_RECIPE_RTOL.
-
-    - bf16 providers against AMP_REF, SAME_RECIPE_RTOL: they run the same autocast forward, and only the
-      optimizers' fp32 rounding differs (for-loop, fused, fastops), which bf16 weights can round differently.
-    - AMP_REF against fp32, BF16_VS_FP32_RTOL = 5e-2: bf16 keeps 8 significant bits (ResNet-50's first step,
-      with identical weights, already differs by about 1e-2)."""
-    k = min(LOSS_TAIL, len(losses[FP32]))
-    out = {}
-    for label, ls in losses.items():
-        row = {"tail_loss": statistics.fmean(ls[-k:]), "fail": []}
-        for ref, key in ((FP32, "rel_diff_fp32"), (AMP_REF, "rel_diff_amp")):
-            if ref in losses:
-                row[key] = statistics.fmean(abs(a - b) / abs(b) for a, b in zip(ls[-k:], losses[ref][-k:]))
-        if label == AMP_REF and row["rel_diff_fp32"] > BF16_VS_FP32_RTOL:
-            row["fail"].append(f"{row['rel_diff_fp32']:.2e} from {FP32} (tolerance {BF16_VS_FP32_RTOL:g})")
-        same = FP32 if precision[label] == "fp32" else AMP_REF
-        key = "rel_diff_fp32" if same == FP32 else "rel_diff_amp"
-        if label not in (FP32, AMP_REF) and key in row and row[key] > SAME_RECIPE_RTOL:
-            row["fail"].append(f"{row[key]:.2e} from {same} (tolerance {SAME_RECIPE_RTOL:g})")
-        out[label] = row
-    return out
+def _worker(args, cuda: bool, device: str) -> int:
+    if args.peak:
+        common.reply({"samples": train_profile.gemm_samples(device, time.process_time if CLOCK == "cpu" else None)})
+    elif args.flops:
+        case = CASES[args.flops](cuda)
+        torch.manual_seed(0)
+        batch = case["batches"](1, torch.Generator().manual_seed(1))[0]
+        common.reply({"flops": train_profile.flops_per_step(case["make"](), batch, case["loss"], device)})
+    else:
+        model_key, label, steps = args.worker
+        common.reply(run_provider(CASES[model_key](cuda), label, int(steps), device, args.profile))
+    return 0
 
 
 def main() -> int:
@@ -255,82 +341,80 @@ def main() -> int:
     p.add_argument("--blocks", type=int, default=None, help="runs per provider, taking turns (default 2, quick 1)")
     p.add_argument("--models", nargs="*", choices=list(CASES), default=list(CASES))
     p.add_argument("--providers", nargs="*", choices=list(PROVIDERS), default=list(PROVIDERS),
-                   help=f"default all; {FP32!r} is always run (the baseline)")
+                   help="default all; the fused-loss ones run on the language models only")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                   help="afterwards, profile STEPS steps of each provider per model (torch.profiler, one process)")
+                   help="each provider's last run profiles STEPS more steps (torch.profiler): the breakdown "
+                        "columns, and the top ops in <out>_profile.txt")  # fmt: skip
     p.add_argument("--out", default=None,
                    help="result name under benchmarks/results, or a path (default train_<device>)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads in every process (default: torch's)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time steps by wall clock, or by the process's CPU time (steadier under load at 1 thread)")
     p.add_argument("--worker", nargs=3, metavar=("MODEL", "PROVIDER", "STEPS"), help=argparse.SUPPRESS)
+    p.add_argument("--peak", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--flops", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = torch.device(device).type == "cuda"
     if cuda and not torch.cuda.is_available():
         print(f"bench_train: --device {device} but CUDA is not available")
         return 2
-    if args.worker:
-        model_key, label, steps = args.worker
-        common.reply(run_provider(CASES[model_key](cuda), label, int(steps), device))
-        return 0
+    global CLOCK
+    CLOCK = args.clock
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _THREAD_ARGS[:] = [f"--threads={torch.get_num_threads()}", f"--clock={CLOCK}"]
+    if args.worker or args.peak or args.flops:
+        return _worker(args, cuda, device)
     rounds = args.rounds or (3 if args.quick else 6)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     blocks = args.blocks or (1 if args.quick else 2)
-    labels = [FP32] + [x for x in args.providers if x != FP32]
-    rows, all_losses, summary = [], {}, {}
+    labels = list(dict.fromkeys(args.providers))
+    rows, all_losses, profiles, summary = [], {}, {}, {}
     start = time.perf_counter()
-    for key in args.models:
-        name = CASES[key](cuda)["name"]
-        print(f"{name} on {common.hardware(device)}: {blocks} x {rounds} timed steps per provider after {warmup} "
-              "warm-up, one process per run", flush=True)  # fmt: skip
-        case_rows, losses = run_case(key, labels, rounds, warmup, blocks, device)
-        all_losses[name] = losses
-        for r in case_rows:
-            vs_hf = f"{r['vs_hf_accelerate']:5.2f}x HF" if "vs_hf_accelerate" in r else ""
-            vs_hf += f" {r['vs_torch_compile']:5.2f}x compile" if "vs_torch_compile" in r else ""
-            print(f"  {r['provider']:20s} {r['ms']:8.1f} ms [{r['ms_q20']:.1f}, {r['ms_q80']:.1f}]  "
-                  f"{r['speedup_vs_fp32']:5.2f}x fp32 {vs_hf}  first step {r['first_step_ms']:.0f} ms, peak {r['peak_mem_mib']:.0f} MiB  loss {r['first_loss']:.4f} -> {r['tail_loss']:.4f} "
-                  f"(last {LOSS_TAIL}: {r['tail_rel_diff_vs_fp32']:.1e} from fp32, "
-                  f"{r['tail_rel_diff_vs_amp']:.1e} from the AMP recipe)  {r['optimizer'] or ''}".replace("nan from", "- from"), flush=True)  # fmt: skip
-        fo = next((r for r in case_rows if r["provider"] == FASTOPS), None)
-        if fo:
-            claim, hf = CLAIMS[key], fo.get("vs_hf_accelerate")
-            summary[key] = {"fastops_vs_fp32": fo["speedup_vs_fp32"], "seed_claim": claim,
-                            "beats_claim": fo["speedup_vs_fp32"] > claim, "fastops_vs_hf": hf,
-                            "meets_hf_target": hf is not None and hf >= HF_TARGET}  # fmt: skip
-            print(f"  fastops.accelerate: {fo['speedup_vs_fp32']:.2f}x fp32 (the seed claims {claim:.2f}x) and "
-                  + (f"{hf:.2f}x HF Accelerate bf16 (target {HF_TARGET}x)" if hf else "no HF Accelerate run"))
-        rows += case_rows
+    with tempfile.TemporaryDirectory(prefix="bench_train_inductor_") as cache_root:
+        for key in args.models:
+            name = CASES[key](cuda)["name"]
+            print(f"{name} on {common.hardware(device)}: {blocks} x {rounds} timed steps per provider after {warmup} "
+                  "warm-up, one process per run; the first run of each compiles cold", flush=True)  # fmt: skip
+            case_rows, losses, case_profiles = run_case(key, labels, rounds, warmup, blocks, device, cache_root,
+                                                        args.profile)
+            all_losses[name] = losses
+            profiles[name] = case_profiles
+            first = case_rows[0]
+            print(f"  {first['gflop_per_step']:.1f} GFLOP per step; bf16 GEMM peak {first['peak_gflops']:.0f} GFLOP/s",
+                  flush=True)
+            print_rows(case_rows)
+            summary[key] = targets(key, case_rows)
+            rows += case_rows
     bad = [r for r in rows if r["loss_check"] != "ok"]
     for r in bad:
         print(f"LOSS MISMATCH: {r['size']} {r['provider']}: last {LOSS_TAIL} losses {r['loss_check']}")
     load = os.getloadavg()
     meta = {"device": device, "hardware": common.hardware(device), "torch": torch.__version__, "rounds": rounds,
-            "warmup": warmup, "blocks": blocks, "threads": torch.get_num_threads(), "loss_tail": LOSS_TAIL,
+            "warmup": warmup, "blocks": blocks, "threads": torch.get_num_threads(), "clock": CLOCK,
+            "loss_tail": LOSS_TAIL,
             "same_recipe_rtol": SAME_RECIPE_RTOL, "bf16_vs_fp32_rtol": BF16_VS_FP32_RTOL, "claims": CLAIMS,
-            "hf_target": HF_TARGET, "summary": summary, "losses": all_losses, "loadavg_at_end": load,
+            "targets": summary, "losses": all_losses, "loadavg_at_start": start_load, "loadavg_at_end": load,
             "seconds": round(time.perf_counter() - start), "argv": sys.argv[1:],
             "note": "one process per provider and run, runs taking turns; the CPU may be shared with other "
-                    "processes (see loadavg_at_end)"}  # fmt: skip
+                    "processes (see loadavg_*)"}  # fmt: skip
     name = args.out or f"train_{torch.device(device).type}"
     base = common.write_results(name, rows, meta)
-    print(f"load average at the end: {load[0]:.2f} ({os.cpu_count()} cores: above that, other processes competed)")
+    print(f"load average at the start {start_load[0]:.2f}, at the end {load[0]:.2f} ({os.cpu_count()} cores: "
+          "above that, other processes competed)")
     print(f"wrote {base}.json/.csv in {meta['seconds']} s")
     if args.profile:
-        path = common.result_base(name) + "_profile.txt"
-        if os.path.exists(path):
-            os.remove(path)
-        # In this process, after two warm-up steps: the "## ..." ranges that _steps marks and ops by self time.
-        with open(path, "a") as f:
-            for key in args.models:
-                case = CASES[key](cuda)
-                for label in labels:
-                    it = _start(case, label, args.profile + 2, device)
-                    for _ in range(2):
-                        next(it).item()
-                    common.profile_steps(lambda: next(it).item(), args.profile, device, f"{case['name']} / {label}", f)
-                    it.close()
-        print(f"profiles (ops by self time) appended to {path}")
+        with open(common.result_base(name) + "_profile.txt", "w") as f:
+            for case_name, by_label in profiles.items():
+                for label, text in by_label.items():
+                    f.write(f"# {case_name}\n{text}")
+        print(f"profiles (ops by self time) in {common.result_base(name)}_profile.txt")
     return 1 if bad else 0
 
+
+start_load = os.getloadavg()
+_THREAD_ARGS: list[str] = []  # --threads and --clock, handed to every worker
 
 if __name__ == "__main__":
     sys.exit(main())

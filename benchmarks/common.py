@@ -66,6 +66,17 @@ COLUMNS = {
     "first_step_ms": "wall time of the first training step of the provider's first run, compile time included",
     "peak_mem_mib": "peak memory of the provider's process: resident set on the CPU, max_memory_allocated on CUDA",
     "step": "the training step's index (0 is the first)", "loss": "the training loss at that step",
+    "train_mem_mib": "training memory: peak resident set during the steps minus the resident set before the first "
+                     "(CPU), max_memory_allocated (CUDA); the largest over the provider's runs",
+    "gflop_per_step": "FLOPs of one bf16 forward + backward of the unmodified model (torch.utils.flop_counter)",
+    "peak_gflops": "the bf16 GEMM peak measured in the same rounds (2048 x 1024 @ 1024 x 4096)",
+    "mfu": "gflop_per_step / step time / peak_gflops", "decision": "what fastops.accelerate decided, and why",
+    "breakdown_ms": "ms per step by category from torch.profiler self times (train_profile.CATEGORIES)",
+    "gemm_share": "share of the profiled step in GEMM and convolution",
+    "gemm_efficiency": "gflop_per_step over the profiled GEMM, convolution, attention and fused-loss time, / peak",
+    "vs_best_peer": "the fastest peer's ms (torch AMP recipe, HF Accelerate bf16, torch.compile recipe) / this row's",
+    "best_peer": "the peer that vs_best_peer is against",
+    "vs_fastest_explicit": "the fastest explicit fastops configuration's ms / this row's ms",
 }
 
 

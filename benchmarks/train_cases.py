@@ -19,7 +19,7 @@ def resnet_case(cuda: bool) -> dict:
     """torchvision's ImageNet recipe: SGD lr 0.1 per 256 images, momentum 0.9, weight decay 1e-4."""
     import torchvision
 
-    batch, size = (64, 224) if cuda else (8, 96)
+    batch, size = (64, 224) if cuda else (8, 128)
 
     def batches(n, g):
         return [(torch.randn(batch, 3, size, size, generator=g), torch.randint(1000, (batch,), generator=g))

@@ -34,6 +34,13 @@ def info() -> None:
         absent = device_type == "cuda" and not torch.cuda.is_available()
         for name, why in _backend.available(device_type).items():
             print(f"  {device_type:5s} {name:10s} {why}{' (loads; no CUDA device here)' if absent and why == 'ok' else ''}")
+    from fastops.accelerate import _auto
+
+    for device_type in ("cpu",) + (("cuda",) if torch.cuda.is_available() else ()):
+        print(f"\nfastops.accelerate defaults on {device_type} (the decision for a model is logged at its first "
+              "training call):")
+        for line in _auto.describe(torch.device(device_type)):
+            print(f"  {line}")
     print("\nop -> backend serving it:")
     for device_type in _backend.DEVICE_TYPES:
         if device_type == "cuda" and not torch.cuda.is_available():

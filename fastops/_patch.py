@@ -88,14 +88,25 @@ def _unreached() -> list[str]:
     return found
 
 
-def patch() -> None:
+def patch(models: bool = True) -> None:
     """Swap torch.optim.AdamW/Adam/SGD, torch.amp.GradScaler (also ``torch.GradScaler`` and the deprecated
     ``torch.cuda.amp.GradScaler``/``torch.cpu.amp.GradScaler``) and torch.nn.utils.clip_grad_norm_ for fastops'.
     Every optimizer and scaler of those classes made afterwards is fastops', also through a reference to the class
     taken before the call; a ``clip_grad_norm_`` imported by name before it is not reached, and a warning names
     where. Call it first, before the script builds its optimizer. Idempotent; undo with ``unpatch()``. The
     optimizers run every script torch's run: param groups their kernels do not take (float64, complex,
-    ``differentiable=True``, sparse grads, ...) run torch's own step (see ``fastops.optim``)."""
+    ``differentiable=True``, sparse grads, ...) run torch's own step (see ``fastops.optim``).
+
+    ``models=True`` (the default): an HF transformers model (``PreTrainedModel``) gets, at its first training call
+    with ``labels``, what ``fastops.accelerate``'s rules give it: the fused loss with lazy logits, regional
+    compilation where it pays (``fastops.accelerate._auto``); so inside HF's Trainer, Lightning or an HF
+    Accelerate loop too. ``models=False`` patches the optimizers, scalers and clipping only."""
+    from .accelerate import _patch_models
+
+    if models:
+        _patch_models.enable()
+    else:
+        _patch_models.disable()
     first = not _originals
     for mod_name, attr, replacement in _NAMES:
         mod = importlib.import_module(mod_name)
@@ -121,7 +132,11 @@ def patch() -> None:
 
 
 def unpatch() -> None:
-    """Restore what ``patch()`` replaced."""
+    """Restore what ``patch()`` replaced. Models that have already been given the fused loss or compiled regions
+    keep them."""
+    from .accelerate import _patch_models
+
+    _patch_models.disable()
     for (mod_name, attr), original in _originals.items():
         setattr(importlib.import_module(mod_name), attr, original)
     _originals.clear()
@@ -130,10 +145,10 @@ def unpatch() -> None:
 
 
 @contextlib.contextmanager
-def patched() -> Iterator[None]:
+def patched(models: bool = True) -> Iterator[None]:
     """``with fastops.patched():`` patches inside the block only."""
     already = bool(_originals)
-    patch()
+    patch(models)
     try:
         yield
     finally:

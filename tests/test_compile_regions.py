@@ -139,3 +139,47 @@ def test_inductor_regions_train_like_eager():
         got = _train(Stack(), _stack_batches(3), True, _stack_loss)
     # Inductor may fuse the block's add and tanh into one loop and round in another order: fp32 rounding.
     assert got == pytest.approx(want, rel=1e-5)
+
+
+class Width(nn.Module):
+    """A block whose width varies between instances, as ResNet's bottlenecks do between stages."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+def test_each_block_signature_gets_its_own_static_graph(monkeypatch):
+    """Blocks of one class but four shapes: one graph per signature, each with static shapes (a graph dynamo
+    made dynamic takes SymInt inputs), none counted against another's recompile limit (2 here; ResNet-50 has 8
+    signatures against torch's 8: one more, a guard on grad mode say, and the rest ran eager); losses as eager."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append([type(x).__name__ for x in example_inputs])
+        return gm.forward
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.blocks = nn.ModuleList([Width(6, 8), Width(8, 8), Width(8, 16), Width(16, 16), Width(16, 16)])
+            self.out = nn.Linear(16, 3)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.out(x)
+
+    monkeypatch.setattr(_compile, "BACKEND", capture)
+    want = _train(Model(), _stack_batches(3), False, _stack_loss)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fastops", category=RuntimeWarning)  # no recompile reported
+        got = _train(Model(), _stack_batches(3), True, _stack_loss)
+    assert len(graphs) == 4  # (6, 8), (8, 8), (8, 16), (16, 16)
+    assert all("SymInt" not in kinds for kinds in graphs), graphs
+    assert got == want

@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 
 from .. import amp
-from . import _checkpoint, _cpu_cache, _distributed, _loader, _model, _optimizer
+from . import _auto, _checkpoint, _cpu_cache, _distributed, _loader, _model, _optimizer
 from ._model import PRECISIONS
 from ._state import ProcessState, StepState
 
@@ -90,13 +90,17 @@ class Accelerator:
             applied. (HF Accelerate by default steps at the end of every pass instead:
             ``GradientAccumulationPlugin(sync_with_dataloader=True)``.) Make the pass length a multiple of k,
             e.g. with ``drop_last`` and a batch count that divides, to keep steps aligned with epochs.
-        compile: torch.compile each repeated block of the model once (HF's ``_no_split_modules``, the items of a
-            ``ModuleList``/``Sequential`` of one class), the rest eager; a failed compile falls back to eager with a
-            warning (``_compile``).
-        fused_loss: an HF transformers model trained with ``labels`` computes its cross-entropy loss with
-            ``fastops.linear_cross_entropy`` (the loss and its gradients without the logits; rows whose label is
-            ignored cost nothing), and ``out.logits`` is None in those calls. Off by default because of that.
-            A head that does more than a linear map is left as it is, with a warning (``_fused_loss``).
+        compile: True, False or "auto" (the default): torch.compile each repeated block of the model once per
+            signature (HF's ``_no_split_modules``, the items of a ``ModuleList``/``Sequential`` of one class), the rest
+            eager; blocks where compiling does not pay (convolution blocks on the CPU) stay eager; a failed compile
+            falls back to eager with a warning (``_compile``). "auto" compiles where the rules of ``_auto`` say it
+            pays.
+        fused_loss: True, False or "auto" (the default): an HF transformers model trained with ``labels`` computes
+            its cross-entropy loss with ``fastops.linear_cross_entropy`` (the loss and its gradients without the
+            logits; rows whose label is ignored cost nothing); ``out.logits`` is built when something reads it.
+            "auto" decides at the first labeled call, from its shapes, whether the fused op is the faster one. A
+            head that does more than a linear map is left as it is (``_fused_loss``). ``decision`` holds what was
+            decided and why, logged in one line (logger ``fastops.accelerate``) at the first training call.
         device: default: cuda:LOCAL_RANK under a launcher that sets LOCAL_RANK (torchrun), the current CUDA
             device otherwise, and the CPU without CUDA. "cuda" without an index means the same device. On the
             CPU, freed blocks of 8 MiB and more are then kept for reuse (``keeps_freed_memory``; see
@@ -121,8 +125,8 @@ class Accelerator:
         strategy: str = "auto",
         grad_clip: float | None = None,
         accumulate: int = 1,
-        compile: bool = False,
-        fused_loss: bool = False,
+        compile: bool | str = "auto",
+        fused_loss: bool | str = "auto",
         device: torch.device | str | None = None,
         tp_size: int = 1,
         pp_size: int = 1,
@@ -138,10 +142,11 @@ class Accelerator:
             raise ValueError(f"fastops.accelerate: grad_clip must be > 0 or None, got {grad_clip!r}")
         self.grad_clip = None if grad_clip is None else float(grad_clip)
         self.accumulate = accumulate
-        self.compile = compile
-        if not isinstance(fused_loss, bool):
-            raise ValueError(f"fastops.accelerate: fused_loss must be True or False, got {fused_loss!r}")
-        self.fused_loss = fused_loss
+        _auto.check_option("compile", compile)
+        _auto.check_option("fused_loss", fused_loss)
+        self.compile, self.fused_loss = compile, fused_loss  # as asked; what was decided: self.decision
+        self.decision = _auto.Decision()
+        self.fused_head = None
 
         self.state = _distributed.process_state(device, strategy, tp_size, pp_size, tp_plan)
         self.keeps_freed_memory = self.device.type == "cpu" and _cpu_cache.keep_freed_memory()

@@ -8,13 +8,17 @@ compile). The blocks are HF transformers' ``_no_split_modules`` classes, else th
 ``Sequential`` that repeats one class (torchvision's and timm's stages, a user's ``nn.ModuleList`` of layers); the
 rest of the model stays eager. Without any repeated block the whole forward is compiled once.
 
-A compile that fails (a backend error, an operator dynamo cannot trace) makes every region run eagerly from then
+Regions where compiling does not pay (``fastops.accelerate._auto.region_stays_eager``: convolution blocks on the
+CPU) stay eager, and the decision line says so. A compile that fails (a backend error, an operator dynamo cannot
+trace) makes every region run eagerly from then
 on, with one warning that gives the reason. Graph breaks and recompiles are reported once, after the first
 optimizer steps, in one warning, since each means compile time spent again or code left eager.
 """
 
 from __future__ import annotations
 
+import itertools
+import types
 import warnings
 
 import torch
@@ -50,31 +54,75 @@ def find_regions(model: nn.Module) -> list[nn.Module]:
     return [m for m in found if id(m) not in inside]
 
 
+def signature(module: nn.Module) -> tuple:
+    """What a compiled graph of ``module`` is specific to: its classes, their configuration (strides, sizes) and
+    its parameters' shapes and dtypes. Blocks with one signature share one graph."""
+    parts = tuple((type(m).__name__, m.extra_repr()) for m in module.modules())
+    tensors = tuple((n, tuple(t.shape), t.dtype) for n, t in (*module.named_parameters(), *module.named_buffers()))
+    return parts, tensors
+
+
+_TAGS = itertools.count()
+
+
+def _entry():
+    """A function of its own code object for one signature: dynamo keeps its compiled graphs and its recompile
+    count per code object, so blocks of different shapes (ResNet's stages) neither recompile each other nor
+    push one another to dynamic shapes, and none counts against another's recompile limit. The name is unique
+    in the process: dynamo remembers which sizes changed by (file, line, name), so a second model's region of
+    the same name would start out dynamic."""
+    tag = next(_TAGS)
+
+    def region(call, *args, **kwargs):
+        return call(*args, **kwargs)
+
+    code = region.__code__.replace(co_name=f"fastops_region_{tag}")
+    return types.FunctionType(code, region.__globals__, code.co_name)
+
+
 class _Regions:
     """The compiled regions of one model and what the run learned about them."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, dynamic: bool | None = None, eager=None) -> None:
         from torch._dynamo.utils import counters
 
         self.counters = counters
-        self.start = {"unique_graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
+        self.start = {"unique_graphs": counters["stats"]["unique_graphs"],
+                      "breaks": sum(counters["graph_break"].values())}
         self.failed: str | None = None
         self.reported = False
-        self.modules = find_regions(model) or [model]
+        regions = find_regions(model) or [model]
+        # Regions where compiling does not pay stay eager: eager(module) gives the reason, or None.
+        self.left_eager = {}
+        for module in regions:
+            why = eager(module) if eager is not None else None
+            if why is not None:
+                self.left_eager.setdefault(why, []).append(type(module).__name__)
+        self.modules = [m for m in regions if eager is None or eager(m) is None]
         self.classes = {type(m).__name__ for m in self.modules}
+        groups: dict[tuple, object] = {}
         for module in self.modules:
-            eager = module._call_impl
-            compiled = torch.compile(eager, backend=BACKEND)
-            module._compiled_call_impl = self._guarded(compiled, eager)
+            key = signature(module)
+            if key not in groups:
+                groups[key] = torch.compile(_entry(), backend=BACKEND, dynamic=dynamic)
+            module._compiled_call_impl = self._guarded(groups[key], module._call_impl)
+        self.signatures = len(groups)
+
+    def remove(self) -> None:
+        """Every region eager again (before its first call: nothing was compiled)."""
+        for module in self.modules:
+            module._compiled_call_impl = None
 
     def _guarded(self, compiled, eager):
         regions = self
 
         def call(*args, **kwargs):
-            if regions.failed is not None:
+            # Training calls only: an eval or no_grad call would compile graphs of its own for no gain worth
+            # the compile time.
+            if regions.failed is not None or not torch.is_grad_enabled():
                 return eager(*args, **kwargs)
             try:
-                return compiled(*args, **kwargs)
+                return compiled(eager, *args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as e:
                 # Raised by dynamo and the backends while tracing or compiling, before the region's code ran: the
                 # eager call computes what the compiled one would have.
@@ -99,8 +147,8 @@ class _Regions:
         graphs = self.counters["stats"]["unique_graphs"] - self.start["unique_graphs"]
         breaks = {k: v for k, v in self.counters["graph_break"].items()}
         n_breaks = sum(breaks.values()) - self.start["breaks"]
-        # One graph per block class, one more per shape it saw (ResNet's stages), at most: more means recompiles.
-        if n_breaks == 0 and graphs <= 2 * len(self.classes) + 2:
+        # One graph per signature, one more per input shape it saw, at most: more means recompiles.
+        if n_breaks == 0 and graphs <= 2 * self.signatures + 2:
             return
         reasons = "; ".join(f"{reason} ({count}x)" for reason, count in list(breaks.items())[:3])
         warnings.warn(
@@ -113,7 +161,7 @@ class _Regions:
         )
 
 
-def compile_regions(model: nn.Module) -> _Regions:
+def compile_regions(model: nn.Module, dynamic: bool | None = None, eager=None) -> _Regions:
     """Compiles ``model``'s repeated blocks in place (their ``__call__`` goes through the compiled code) and
-    returns the record ``fastops.accelerate`` reports from."""
-    return _Regions(model)
+    returns the record ``fastops.accelerate`` reports from. ``eager(module)``: why a region stays eager, or None."""
+    return _Regions(model, dynamic, eager)

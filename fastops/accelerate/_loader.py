@@ -96,7 +96,16 @@ def prepare_loader(acc: "Accelerator", loader) -> Loader:
             loader = _shard_dataloader(loader, acc.dp_rank, acc.dp_size)
         else:
             loader = RoundRobin(loader, acc.dp_rank, acc.dp_size)
-    return Loader(Prefetcher(loader, device=acc.device, background=background))
+    wrapped = Loader(Prefetcher(loader, device=acc.device, background=background))
+    try:
+        batches = len(loader)
+    except TypeError:  # an iterable without a length: the run's length is unknown
+        batches = None
+    if batches is not None:
+        from . import _auto
+
+        _auto.short_run(acc, batches)
+    return wrapped
 
 
 def _shard_dataloader(loader, rank: int, world_size: int):

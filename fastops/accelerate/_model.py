@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from .. import amp
 from .._util import map_tensors
-from . import _distributed
+from . import _auto, _distributed, _fused_loss
 
 if TYPE_CHECKING:
     from . import Accelerator
@@ -101,14 +101,14 @@ def prepare_model(acc: "Accelerator", model: nn.Module) -> nn.Module:
     acc._inner = model
     if acc.strategy == "pp":
         return _prepare_pipeline(acc, model)
-    if acc.fused_loss:
-        from . import _fused_loss
-
-        _fused_loss.install(model)
-    if acc.compile:
+    decision = acc.decision
+    acc.fused_head = _auto.decide_fused(acc, model, acc.fused_loss)
+    decision.compile, decision.compile_why = _auto.decide_compile(acc, model, acc.compile)
+    if decision.compile:
         from . import _compile
 
-        acc._step_state.regions = _compile.compile_regions(model)
+        acc._step_state.regions = _compile.compile_regions(model, eager=_auto.region_stays_eager(acc.device))
+    _auto.decide_channels_last(acc, model)
     if acc.strategy in ("tp", "fsdp+tp"):
         from . import _parallel
 
@@ -142,8 +142,9 @@ class PipelineModel(nn.Module):
 def _prepare_pipeline(acc: "Accelerator", model: nn.Module) -> nn.Module:
     from . import _parallel
 
-    if acc.scaler is not None or acc.accumulate > 1 or acc.compile:
-        raise ValueError("fastops.accelerate: strategy='pp' supports neither fp16, accumulate > 1 nor compile yet "
+    if acc.scaler is not None or acc.accumulate > 1 or acc.compile is True or acc.fused_loss is True:
+        raise ValueError("fastops.accelerate: strategy='pp' supports neither fp16, accumulate > 1, compile nor "
+                         "fused_loss yet "
                          "(the schedule's microbatches already accumulate: raise n_microbatches)")
     pipe = _parallel.Pipeline(model, acc.mesh, n_microbatches=acc.n_microbatches, schedule=acc.pp_schedule)
     if acc.amp_dtype is not None:
@@ -175,6 +176,8 @@ def _wrap_forward(acc: "Accelerator", module: nn.Module) -> None:
             amp_ctx = torch.autocast(acc.device.type, dtype=acc.amp_dtype)
         with ctx, amp_ctx:
             out = inner_forward(*args, **kwargs)
+        if not acc.decision.logged and mod.training and torch.is_grad_enabled():
+            acc.decision.log()
         # model.forward(x) runs no module hooks: its outputs are cast and hooked here instead.
         return out if via_call else _outputs(acc, out)
 
@@ -206,6 +209,10 @@ def _outputs(acc: "Accelerator", out):
         if not t.is_floating_point():
             return t
         floating = True
+        if _fused_loss.is_lazy(t):
+            # Logits not built (the fused loss): cast as the others, and hooked once something builds them.
+            t = t.float() if low and t.dtype in (torch.bfloat16, torch.float16) else t
+            return t.then(fix) if factor is not None else t
         if low and t.dtype in (torch.bfloat16, torch.float16):
             t = t.float()
         elif factor is not None and t.requires_grad:
