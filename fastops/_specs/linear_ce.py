@@ -235,7 +235,6 @@ def bad_backward_inputs(device="cpu") -> Iterator[BadCall]:
                   f"{OP}: grad_loss must be a floating tensor")
 
 
-FORWARD = OpSpec("linear_cross_entropy", FORWARD_SCHEMA, (), check_forward_tensors, check_forward_values,
-                 fake_forward, sample_inputs, bad_inputs)
-BACKWARD = OpSpec("linear_cross_entropy_backward", BACKWARD_SCHEMA, (), check_backward_tensors,
-                  check_backward_values, fake_backward, backward_samples, bad_backward_inputs)
+FORWARD = OpSpec(FORWARD_SCHEMA, check_forward_tensors, check_forward_values, fake_forward, sample_inputs, bad_inputs)
+BACKWARD = OpSpec(BACKWARD_SCHEMA, check_backward_tensors, check_backward_values, fake_backward, backward_samples,
+                  bad_backward_inputs)
