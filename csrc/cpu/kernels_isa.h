@@ -3,7 +3,9 @@
 // file, so every function here gets that ISA and lives in its own namespace (no symbol is shared between
 // the copies). This file only opens that namespace and includes the kernels' parts inside it, in this order:
 //   access_isa.h   bit casts, fmadd, bf16/fp16 conversions, the optimizers' param/grad access (for_each_block)
-//   adam_isa.h     adam_step_ and adam_step_lowp_ (includes codec_isa.h, the 8-bit state codec)
+//   sr_isa.h       the stochastic-rounding stream of bf16 states
+//   codec_isa.h    the 8-bit state codec
+//   adam_isa.h     adam_step_ and adam_step_lowp_
 //   sgd_amp_isa.h  sgd_step_, the AMP unscale + non-finite check, grad_stats
 //
 // The loops are plain C++ with `#pragma omp simd`, vectorised by GCC for the target of the enclosing
@@ -25,6 +27,8 @@ namespace FASTOPS_ISA_NS {
 namespace {
 
 #include "access_isa.h"
+#include "sr_isa.h"
+#include "codec_isa.h"
 #include "adam_isa.h"
 #include "sgd_amp_isa.h"
 
