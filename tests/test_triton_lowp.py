@@ -1,6 +1,5 @@
 """The Triton adam_step_lowp_ (fastops.kernels.adam_lowp) against fastops.reference: 8-bit codes, absmax and bf16
-states bit for bit; params within one ulp (2 of 5000 fp32 params came out 1 ulp apart with the step's fp32 scalars
-equal to the reference's; the cause is not found).
+states bit for bit; params within an ulp of the update plus one of the result (see _assert_match).
 Under the Triton interpreter on CPU without a GPU (conftest), compiled on CUDA with one: the cuda mark puts it in
 the GPU run (benchmarks/gpu_check.sh selects -m cuda); without a GPU it still runs, interpreted."""
 
@@ -56,15 +55,21 @@ def _bits(t):
     return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
-def _assert_match(mine, ref):
+def _assert_match(mine, ref, before):
+    """``before``: the state both stepped from. Params (and masters) may differ by one ulp of the update plus one of
+    the result: the reference's sqrt is torch's, not correctly rounded (measured here: 0.7% of fp32 inputs differ
+    from numpy's, which the interpreter runs), which puts an ulp into the update. When the update is larger than
+    the param it lands on, that ulp is several of the result's (found: an fp32 param stepped from 1.48e-3 to
+    3.92e-4 came out 2.5 of the result's ulps off, 1 of the update's)."""
     names = ("params", "grads", "exp_avgs", "exp_avg_sqs", "exp_avg_absmax", "exp_avg_sq_absmax", "state_steps",
              "master_params")
-    for name, la, lb in zip(names, mine, ref):
-        for i, (a, b) in enumerate(zip(la, lb)):
+    for name, la, lb, l0 in zip(names, mine, ref, before):
+        for i, (a, b, b0) in enumerate(zip(la, lb, l0)):
             what = f"{name}[{i}]"
             if name in ("params", "master_params"):
-                ulp = torch.finfo(a.dtype).eps * b.float().abs().clamp_min(torch.finfo(a.dtype).tiny)
-                assert ((a.float() - b.float()).abs() <= ulp).all(), what
+                b, b0 = b.float(), b0.float()
+                tol = torch.finfo(a.dtype).eps * (b.abs() + (b - b0).abs()).clamp_min(torch.finfo(a.dtype).tiny)
+                assert ((a.float() - b).abs() <= tol).all(), what
             else:
                 assert torch.equal(_bits(a), _bits(b)), what
 
@@ -80,10 +85,10 @@ def test_lowp_matches_reference_over_sizes_and_dtypes(mode):
     sizes = (1, 300, 1024, 3000, 16384 + 700)
     dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16)
     ref = _make(mode, sizes, dtypes, master=False)
-    mine = _clone(ref)
+    mine, before = _clone(ref), _clone(ref)
     _call(reference.adam_step_lowp_, ref)
     _call(klowp.adam_step_lowp_, mine)
-    _assert_match(mine, ref)
+    _assert_match(mine, ref, before)
     assert [float(s) for s in mine[6]] == [3.0 * k + 1 for k in range(len(sizes))]
 
 
@@ -106,9 +111,10 @@ def test_lowp_options(mode, case):
         s = kw["grad_scale"]
         for g in ref[1] + mine[1]:
             g.mul_(s.to(g.device).to(g.dtype))
+    before = _clone(ref)
     _call(reference.adam_step_lowp_, ref, **kw)
     _call(klowp.adam_step_lowp_, mine, **kw)
-    _assert_match(mine, ref)
+    _assert_match(mine, ref, before)
 
 
 @pytest.mark.parametrize("mode", ["8bit", "bf16"])
@@ -134,11 +140,11 @@ def test_bf16_seed_and_position_change_the_rounding():
     _call(klowp.adam_step_lowp_, other, seed=6)
     assert not torch.equal(_bits(st[2][0]), _bits(st[2][1]))
     assert not torch.equal(_bits(st[2][0]), _bits(other[2][0]))
-    ref = _clone(other)
+    ref, before = _clone(other), _clone(other)
     # The seed's high bits beyond 32 are ignored, as _quant.sr_key does.
     _call(klowp.adam_step_lowp_, other, seed=6 + (1 << 40))
     _call(reference.adam_step_lowp_, ref, seed=6)
-    _assert_match(other, ref)
+    _assert_match(other, ref, before)
 
 
 def test_8bit_nan_block_decodes_to_nan():
