@@ -17,6 +17,24 @@
 // kLerp: which of torch's two lerp formulas, or kLerpMask: the one c.lerp_low picks, per element.
 constexpr int kLerpMask = 0, kLerpLow = 1, kLerpHigh = 2;
 
+// bf16: a software prefetch of the lines the block kPrefetchAhead elements on touches (p, g, m, v), issued a block
+// at a time outside the vectorised loop. At 1 thread the step is near its compute bound (3 divider ops an element:
+// 0.84 ns/param in L2) as well as its memory one, and the hardware prefetchers stop at each 4 KiB page; measured
+// on Emerald Rapids, 1 thread, CPU time, load 6-7, three alternating runs each: 24M params 1.16-1.23x torch
+// fused=True without, 1.28-1.29x with (16M: 1.12-1.19x, 1.03-1.28x). fp32 states are left as they were.
+constexpr int64_t kPrefetchAhead = 2048;
+template <int kKind>
+inline void prefetch_ahead(const void* p, const void* g, const uint16_t* m16, const uint16_t* v16, int64_t lo,
+                           int64_t hi) {
+  constexpr int64_t ps = kKind == kBF16 ? 2 : 4, gs = (kKind == kBF16 || kKind == kBF16Master) ? 2 : 4;
+  for (int64_t b = lo * ps; b < hi * ps; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 1);
+  for (int64_t b = lo * gs; b < hi * gs; b += 64) __builtin_prefetch(static_cast<const char*>(g) + b, 0);
+  for (int64_t b = lo * 2; b < hi * 2; b += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(m16) + b, 1);
+    __builtin_prefetch(reinterpret_cast<const char*>(v16) + b, 1);
+  }
+}
+
 template <int kKind, bool kAms, bool kL2, bool kScale, bool kBf16 = false, int kLerp = kLerpMask>
 void adam_math(void* __restrict pv, const void* __restrict gv, void* __restrict mv, void* __restrict vv,
                float* __restrict vmax, void* __restrict outv, int64_t n, const AdamConsts& c, float neg_step_size,
@@ -39,6 +57,7 @@ void adam_math(void* __restrict pv, const void* __restrict gv, void* __restrict 
       const int64_t j = (k0 + i0) % kSrBlock;
       i1 = min64(n, i0 + kSrBlock - j);
       x = sr_block_key(sr_key, (k0 + i0) / kSrBlock) + static_cast<uint32_t>(j) * kSrGolden;
+      prefetch_ahead<kKind>(pv, gv, m16, v16, i0 + kPrefetchAhead, min64(n, i1 + kPrefetchAhead));
     }
 #pragma omp simd linear(x : kSrGolden)
     for (int64_t i = i0; i < i1; ++i) {
