@@ -15,12 +15,18 @@ Providers are interleaved round by round so drift on a noisy machine hits them a
     python benchmarks/bench_adamw.py --device cuda    # on a GPU
     python benchmarks/bench_adamw.py --sizes 16 64 --rounds 3 --out scratch_adamw   # a short trial run
     python benchmarks/bench_adamw.py --lowp --sizes 4 16   # 8-bit and bf16 states against torch, torchao, bnb
+    python benchmarks/bench_adamw.py --lowp --threads 1 --clock cpu --sizes 16 --tensors 20 --out adamw_lowp_cpu_1t
+    FASTOPS_CPU_CAPABILITY=avx2 ATEN_CPU_CAPABILITY=avx2 python benchmarks/bench_adamw.py --lowp ...   # an AVX2 CPU
 
 --lowp compares, on the same params: torch fused=True (fp32 states), fastops.optim.AdamW with fp32, bf16 and 8-bit
 states (state_dtype=, as users call it), torchao's and bitsandbytes' AdamW8bit where they import. Each provider's GB/s
 and roofline share count its own bytes (fp32 p and g: 28 fp32 states, 20 bf16, 16 + 1/32 8-bit; params under
 4096 elements keep fp32 states under every 8-bit provider, as bnb and torchao do), and each row gives the
-optimizer state held per param.
+optimizer state held per param; pct_copy is each provider's GB/s against a copy's in the same rounds.
+
+The two environment variables lower the ISA both fastops' kernels and torch's own run at (an AVX2 machine's, on an
+AVX-512 one): fastops' level and torch's are in the results' meta. --clock cpu (with --threads 1) times the calling
+thread's CPU time, which a loaded machine disturbs less than wall time.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from runner import Spec  # noqa: E402
 import fastops  # noqa: E402
 
 SIZES = (1, 4, 16, 32, 64, 100)  # millions of params
-LOWP_SIZES = (4, 16)
+LOWP_SIZES = (16, 24)
 KERNELS = ("copy", "scale_inplace", "add_inplace", "triad", "adam_pattern")
 
 ADAMW = Spec(

@@ -118,28 +118,32 @@ def quantile_row(samples: list[float]) -> dict[str, float]:
 
 
 def time_samples(fn: Callable[[], object], device: str, repeats: int, warmup: int = 3,
-                 reset: Callable[[], object] | None = None) -> list[float]:  # fmt: skip
+                 reset: Callable[[], object] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> list[float]:  # fmt: skip
     """``fn``'s wall time in ms, ``repeats`` times after ``warmup`` untimed calls, synchronising the device
     around each call (host overhead, such as an optimizer's per-tensor Python loop, is part of what is
     measured). ``reset``, when given, runs before every call (warm-up ones too) outside the timed region:
-    restoring grads a call overwrote, seeding, or building an iterator whose first item is not measured."""
+    restoring grads a call overwrote, seeding, or building an iterator whose first item is not measured.
+    ``clock``: time.thread_time measures the calling thread's CPU time instead, steadier on a loaded machine
+    when the work runs on that one thread (torch.set_num_threads(1))."""
     samples = []
     for i in range(warmup + repeats):
         if reset is not None:
             reset()
         sync(device)
-        start = time.perf_counter()
+        start = clock()
         fn()
         sync(device)
         if i >= warmup:
-            samples.append(1e3 * (time.perf_counter() - start))
+            samples.append(1e3 * (clock() - start))
     return samples
 
 
 def time_ms(fn: Callable[[], object], device: str, repeats: int, warmup: int = 3,
-            reset: Callable[[], object] | None = None) -> dict[str, float]:  # fmt: skip
+            reset: Callable[[], object] | None = None,
+            clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:  # fmt: skip
     """Median and 20/80% quantiles of ``time_samples``."""
-    return quantile_row(time_samples(fn, device, repeats, warmup, reset))
+    return quantile_row(time_samples(fn, device, repeats, warmup, reset, clock))
 
 
 def interleaved(measure: dict[str, Callable[[], float | list[float]]], rounds: int,
@@ -184,9 +188,10 @@ def fastops_speedup(rows: list[dict], fastops: str = "fastops") -> None:
     _ratio(rows, fastops, "fastops_speedup", ref_over_row=False)
 
 
-def device_ms(fn: Callable[[], object], device: str, calls: int) -> float:
+def device_ms(fn: Callable[[], object], device: str, calls: int,
+              clock: Callable[[], float] = time.perf_counter) -> float:  # fmt: skip
     """ms per call of ``fn`` over ``calls`` back-to-back calls; CUDA events on a GPU, so the figure is the
-    kernels' time on the device and not the host's launch and sync latency."""
+    kernels' time on the device and not the host's launch and sync latency; on the CPU by ``clock``."""
     if device.startswith("cuda"):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -195,10 +200,10 @@ def device_ms(fn: Callable[[], object], device: str, calls: int) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / calls
-    t = time.perf_counter()
+    t = clock()
     for _ in range(calls):
         fn()
-    return 1e3 * (time.perf_counter() - t) / calls
+    return 1e3 * (clock() - t) / calls
 
 
 def default_footprint(device: str) -> int:
@@ -286,9 +291,10 @@ class StreamKernels:
     ceiling an AdamW step can be held to; the others stay in the report for comparison with other machines."""
 
     def __init__(self, device: str, footprint: int | None = None, calls: int = 2,
-                 names: tuple[str, ...] | None = None) -> None:  # fmt: skip
-        """``names``: the kernels of STREAM_KERNELS to run (default all)."""
-        self.device, self.calls = device, calls
+                 names: tuple[str, ...] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:  # fmt: skip
+        """``names``: the kernels of STREAM_KERNELS to run (default all); ``clock``: as time_samples'."""
+        self.device, self.calls, self.clock = device, calls, clock
         self.footprint = footprint or default_footprint(device)
         numel = self.footprint // 4
         self.pool = torch.empty(numel, dtype=torch.float32, device=device).uniform_(0.5, 1.0)
@@ -310,7 +316,7 @@ class StreamKernels:
     def sample(self, samples: dict[str, list[float]]) -> None:
         """One timing (ms per call) of each kernel, appended to ``samples[name]``."""
         for name, fn in self.fns.items():
-            samples.setdefault(name, []).append(device_ms(fn, self.device, self.calls))
+            samples.setdefault(name, []).append(device_ms(fn, self.device, self.calls, self.clock))
 
     def summary(self, samples: dict[str, list[float]], roofline: str | None = None) -> dict:
         """GB/s of each kernel; the roofline is the best of them, or the kernel named ``roofline``."""

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import os
 import sys
+import time
 
 import torch
 
@@ -100,7 +101,8 @@ def bench_size(spec: Spec, total: int, args, stream: common.StreamKernels) -> tu
         opts[name].step()  # state initialisation is not what is measured
     del base
     stream_samples: dict[str, list[float]] = {}
-    measure = {name: (lambda opt=opt: common.time_ms(opt.step, args.device, args.repeats, warmup=1)["ms"])
+    measure = {name: (lambda opt=opt: common.time_ms(opt.step, args.device, args.repeats, warmup=1,
+                                                     clock=clock(args))["ms"])
                for name, opt in opts.items()}  # fmt: skip
     samples = common.interleaved(measure, args.rounds, before_round=lambda: stream.sample(stream_samples))
     roof = stream.summary(stream_samples, spec.roofline)
@@ -137,9 +139,16 @@ def parser(doc: str, name: str, sizes) -> argparse.ArgumentParser:
                    help="bytes each roofline kernel streams (default: 4 GiB on CUDA; max(1 GiB, 4x LLC) on the CPU)")
     p.add_argument("--quick", action="store_true", help="1M and 4M params, fewer rounds")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before the run")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: the calling thread's CPU time (time.thread_time), steadier on a loaded machine; needs "
+                   "--threads 1, where the steps and the roofline kernels run on that thread")
     p.add_argument("--out", default=None,
                    help=f"result name under benchmarks/results, or a path (default {name}_<device>)")
     return p
+
+
+def clock(args):
+    return time.thread_time if args.clock == "cpu" else time.perf_counter
 
 
 def run(spec: Spec, args) -> str:
@@ -147,15 +156,22 @@ def run(spec: Spec, args) -> str:
     returns the path without extension."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        raise SystemExit("--clock cpu measures one thread's CPU time: run it with --threads 1")
+    load_start = os.getloadavg()
     if args.quick:
         args.sizes, args.rounds = [1, 4], 3
     dev_type = args.device.split(":")[0]
     default = torch_default(args.device)
-    stream = common.StreamKernels(args.device, args.footprint_mib and args.footprint_mib << 20, names=spec.kernels)
+    stream = common.StreamKernels(args.device, args.footprint_mib and args.footprint_mib << 20, names=spec.kernels,
+                                  clock=clock(args))
     llc = common.llc_bytes() if dev_type == "cpu" else None
     print(f"{common.hardware(args.device)}; fastops backend {fastops._backend.active(dev_type)}; torch's default "
           f"{spec.name} here is {default}; roofline kernels on {stream.footprint / 2**30:.2f} GiB"
-          + (f"; last-level cache {llc / 2**20:.0f} MiB" if llc else ""))  # fmt: skip
+          + (f"; last-level cache {llc / 2**20:.0f} MiB" if llc else "")
+          + (f"; fastops CPU level {fastops._C.cpu_capability()}" if fastops._backend._C is not None else "")
+          + f", torch's {torch.backends.cpu.get_cpu_capability()}; {args.clock} clock; load average "
+          + " ".join(f"{x:.2f}" for x in load_start))  # fmt: skip
     rows, roofs = [], {}
     speed = f"speedup_vs_{spec.baseline}" if spec.baseline else "fastops_speedup"
     for m in args.sizes:
@@ -180,7 +196,9 @@ def run(spec: Spec, args) -> str:
                   + ("  (torch default)" if r["torch_default"] else ""))  # fmt: skip
         rows += size_rows
     meta = {"roofline": roofs, "torch_default": default, "llc_bytes": llc, "torch": torch.__version__,
-            "argv": sys.argv[1:]}  # fmt: skip
+            "argv": sys.argv[1:], "clock": args.clock, "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+            "fastops_cpu_capability": fastops._C.cpu_capability() if fastops._backend._C is not None else None,
+            "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()}  # fmt: skip
     base = common.write_results(args.out or f"{spec.name}_{dev_type}", rows, meta)
     print(f"wrote {base}.json/.csv (and .png with matplotlib)")
     return base

@@ -7,7 +7,7 @@
 // the launch scalars, the per-tensor table and its chunk list) with the CPU as the tensors' device, so the scalars
 // take the kernels' pointer path. Then every chunk of the table is walked as one block of the kernel walks it:
 // detail::launch_scalars and chunk_at give its step scalars, and each element goes through the kernel's own per-element
-// functions (adam_math, decode, encode, sr_bits, round_bf16_sr), one after another where the kernel has a thread per
+// functions (adam_math, decode, encode, sr_block_key, sr_bits, round_bf16_sr), one after another where the kernel has a thread per
 // element (the kernels' 4-wide loads feed adam_math the same values).
 #include <torch/extension.h>
 
@@ -131,6 +131,7 @@ void walk_lowp(const AdamLowpArgs& a) {
     const uint32_t key = detail::sr_key(a.seed, ch.row[kLowpIndex]);
     for (int64_t b0 = ch.start; b0 < ch.end; b0 += kQBlock) {
       const int64_t blk = b0 / kQBlock, n = std::min(kQBlock, ch.end - b0);
+      const uint32_t kb = eight_bit ? 0u : detail::sr_block_key(key, blk);
       float m[kQBlock] = {}, v[kQBlock] = {};  // past the end: 0, which raises no absmax (as the kernel's lanes)
       for (int64_t k = 0; k < n; ++k) {
         const int64_t i = b0 + k;
@@ -140,7 +141,7 @@ void walk_lowp(const AdamLowpArgs& a) {
         detail::adam_math<false>(x, t.load_grad(i), m[k], v[k], unused, a, s);
         t.store(i, x);
         if (!eight_bit) {
-          const uint32_t bits = detail::sr_bits(key, i);
+          const uint32_t bits = detail::sr_bits(kb, static_cast<uint32_t>(k));
           m_bf16[i] = c10::BFloat16(detail::round_bf16_sr(m[k], bits & 0xFFFFu), c10::BFloat16::from_bits());
           v_bf16[i] = c10::BFloat16(detail::round_bf16_sr(v[k], bits >> 16), c10::BFloat16::from_bits());
         }

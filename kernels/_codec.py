@@ -13,7 +13,7 @@ import triton.language as tl
 
 from fastops import _quant
 
-from ._common import FLOAT32_MAX, ld, st
+from ._common import ld, st
 
 QBLOCK = tl.constexpr(_quant.BLOCK)
 
@@ -99,9 +99,9 @@ def mix32(x):
 
 @triton.jit
 def _round_bf16_sr(x, r16):
-    """_quant.round_bf16_stochastic: ``r16`` (uint32 below 2**16) added under the bf16 mantissa."""
-    bits = x.to(tl.uint32, bitcast=True)
-    out = tl.where(tl.abs(x) <= FLOAT32_MAX, (bits + r16) >> 16, bits >> 16)
+    """_quant.round_bf16_stochastic: ``r16`` (uint32 below 2**16) added under the bf16 mantissa. An infinity needs no
+    case of its own (0x7F800000 + 0xFFFF truncates to 0x7F80 again); a nan's payload could carry into the sign."""
+    out = (x.to(tl.uint32, bitcast=True) + r16) >> 16
     out = tl.where(x != x, 0x7FC0, out)
     return out.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
@@ -143,6 +143,15 @@ def _max_nan_rows(x):
     return tl.where(has_nan != 0, float("nan"), mx)[:, None]
 
 
+_GOLDEN = tl.constexpr(_quant.GOLDEN)
+
+
+@triton.jit
+def _sr_block_keys(key, blk):
+    """_quant.sr_block_keys of the block indices ``blk`` (int64), as uint32."""
+    return mix32((blk & 0xFFFFFFFF).to(tl.uint32) ^ key) ^ (blk >> 32).to(tl.uint32)
+
+
 @triton.jit
 def sr_key(seed, index):
     """_quant.sr_key(seed, index): the tensor's position in the op's lists, not in its dtype group."""
@@ -177,8 +186,9 @@ def encode(m, v, m_ptr, v_ptr, ma_ptr, va_ptr, key, offs, mask, blk0, r, c, nblo
         _store_rows(ma_ptr, blk0, ma, r, c, nblocks, EVEN)
         _store_rows(va_ptr, blk0, va, r, c, nblocks, EVEN)
     else:
-        bits = mix32((offs & 0xFFFFFFFF).to(tl.uint32) ^ key
-                     ^ ((offs >> 32).to(tl.uint32) * tl.full(offs.shape, 0x85EBCA6B, tl.uint32)))  # fmt: skip
+        # _quant.sr_bits: each row's block key, then mix32 of the Weyl counter kb + j * GOLDEN an element.
+        kb = _sr_block_keys(key, (blk0 + r).to(tl.int64))
+        bits = mix32(kb + c.to(tl.uint32) * tl.full(c.shape, _GOLDEN, tl.uint32))
         st(m_ptr, offs, _round_bf16_sr(m, bits & 0xFFFF), mask, EVEN)
         st(v_ptr, offs, _round_bf16_sr(v, bits >> 16), mask, EVEN)
 

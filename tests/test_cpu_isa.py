@@ -1,8 +1,9 @@
-"""The C++ CPU kernels' 8-bit state codec under every ISA level this machine runs (default, avx2, avx512 and
-avx512_vbmi: each one has its own encoder or decoder in csrc/cpu/codec_isa.h), each in a subprocess with
-FASTOPS_CPU_CAPABILITY (and torch's ATEN_CPU_CAPABILITY, so that the reference's own kernels place their FMAs as
-the fastops level does) set before import. Codes, absmax and step counters must equal the reference's bit for
-bit, on inputs built to land on the codec's edges."""
+"""The C++ CPU kernels' low-precision states under every ISA level this machine runs (default, avx2, avx512 and
+avx512_vbmi: each one has its own 8-bit encoder or decoder in csrc/cpu/codec_isa.h, and its own vector width for the
+bf16 states' stochastic rounding), each in a subprocess with FASTOPS_CPU_CAPABILITY (and torch's ATEN_CPU_CAPABILITY,
+so that the reference's own kernels place their FMAs as the fastops level does) set before import. Codes, absmax,
+bf16 states and step counters must equal the reference's bit for bit, on inputs built to land on the codec's edges,
+on partial blocks of the rounding stream and on nan, inf and overflowing values."""
 
 from __future__ import annotations
 
@@ -74,14 +75,33 @@ def edge_case(scale):
                          beta2=0.0)
 
 
+def bf16_case(beta1, **kw):
+    # bf16 states: partial blocks and a tensor under one block; nan, inf and huge grads (a nan state, an inf state,
+    # a state that rounds up to inf) in the first tensor. beta1 picks torch's lerp formula (weight 1 - beta1 below or
+    # from 0.5), which the bf16 loop takes as a template argument.
+    args = lowp_inputs([4096, 1000, 257, 31], fmt="bf16", **kw)
+    g = _quant.memory_flat(args.grads[0])  # a view, also of a transposed grad
+    g[5], g[300], g[301], g[302] = float("nan"), float("inf"), -float("inf"), 3.4e38
+    return args._replace(beta1=beta1)
+
+
 cases = [edge_case(1.0), edge_case(3.7e-3), edge_case(2.0**-70), lowp_inputs([4096, 1000, 257, 31]),
-         lowp_inputs([3000, 700], weight_decay=0.1, decoupled=False, maximize=True, scale=torch.tensor(1024.0))]
+         lowp_inputs([3000, 700], weight_decay=0.1, decoupled=False, maximize=True, scale=torch.tensor(1024.0)),
+         bf16_case(0.9), bf16_case(0.3, seed=-(2**40) + 7),
+         bf16_case(0.9, dtype=torch.float16, master=True, weight_decay=0.1, decoupled=False, maximize=True,
+                   scale=torch.tensor(1024.0)),
+         bf16_case(0.9, dtype=torch.bfloat16, weight_decay=0.1),
+         bf16_case(0.5, shapes=[(70, 90), (33,), (300, 5), (2,)])]
 outs = []
 for want in cases:
     got = _clone(want)
     reference.adam_step_lowp_(*want)
     cpp.adam_step_lowp_(*got)
-    _assert_step_matches(got, want)  # codes, absmax, steps bit for bit; params as test_lowp_ops argues
+    for k in ("params", "master_params"):  # a nan or inf grad leaves a nan param: in the same places, then out of
+        for a, b in zip(getattr(got, k), getattr(want, k)):  # the ulp count
+            assert torch.equal(a.isnan(), b.isnan()), k
+            a[a.isnan()], b[b.isnan()] = 0, 0
+    _assert_step_matches(got, want)  # codes, absmax, bf16 states, steps bit for bit; params as test_lowp_ops argues
     outs.append([getattr(got, k) for k in ("params", "exp_avgs", "exp_avg_sqs", "exp_avg_absmax", "exp_avg_sq_absmax")])
 torch.save(outs, out)
 """
@@ -125,4 +145,5 @@ def test_fma_levels_agree_bit_for_bit(tmp_path):
         for c, (a_case, b_case) in enumerate(zip(first, outs[lv])):
             for a_list, b_list in zip(a_case, b_case):
                 for a, b in zip(a_list, b_list):
-                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (levels[0], lv, c)
+                    a, b = a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+                    assert torch.equal(a, b), (levels[0], lv, c)

@@ -124,8 +124,8 @@ struct Enc512 {
   __m512i d, r0, n;
   __m512 bnd, P, F, neg_t0;
   explicit Enc512(const CodecTables& ct)
-      : d(_mm512_load_si512(ct.d)), r0(_mm512_set1_epi32(ct.r0)), n(_mm512_load_si512(ct.n)), bnd(_mm512_load_ps(ct.bnd)),
-        P(_mm512_load_ps(ct.P)), F(_mm512_load_ps(ct.F)), neg_t0(_mm512_set1_ps(-ct.t0)) {}
+      : d(_mm512_load_si512(ct.d)), r0(_mm512_set1_epi32(ct.r0)), n(_mm512_load_si512(ct.n)),
+        bnd(_mm512_load_ps(ct.bnd)), P(_mm512_load_ps(ct.P)), F(_mm512_load_ps(ct.F)), neg_t0(_mm512_set1_ps(-ct.t0)) {}
 };
 
 template <bool kSigned, bool kRecip>
@@ -310,8 +310,10 @@ void decode_block(const uint8_t* __restrict codes, float absmax, const CodecTabl
   for (; i + 8 <= n; i += 8) {
     uint64_t c;
     __builtin_memcpy(&c, codes + i, 8);
-    const __m128 lo = _mm_setr_ps(qmap[c & 0xff], qmap[(c >> 8) & 0xff], qmap[(c >> 16) & 0xff], qmap[(c >> 24) & 0xff]);
-    const __m128 hi = _mm_setr_ps(qmap[(c >> 32) & 0xff], qmap[(c >> 40) & 0xff], qmap[(c >> 48) & 0xff], qmap[c >> 56]);
+    const __m128 lo =
+        _mm_setr_ps(qmap[c & 0xff], qmap[(c >> 8) & 0xff], qmap[(c >> 16) & 0xff], qmap[(c >> 24) & 0xff]);
+    const __m128 hi =
+        _mm_setr_ps(qmap[(c >> 32) & 0xff], qmap[(c >> 40) & 0xff], qmap[(c >> 48) & 0xff], qmap[c >> 56]);
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_set_m128(hi, lo), am));
   }
 #endif

@@ -47,6 +47,7 @@ __global__ void __launch_bounds__(kThreads, 1) adam_lowp_kernel(const AdamLowpAr
     for (int64_t b0 = ch.start + static_cast<int64_t>(warp) * kQBlock; b0 < ch.end; b0 += kWarps * kQBlock) {
       float pf[kPerLane], mf[kPerLane], vf[kPerLane];
       float m_scale = 0.0f, v_scale = 0.0f;
+      const uint32_t kb = EIGHT_BIT ? 0u : detail::sr_block_key(key, b0 / kQBlock);
       if (EIGHT_BIT) {
         m_scale = m_absmax[b0 / kQBlock];
         v_scale = v_absmax[b0 / kQBlock];
@@ -70,7 +71,7 @@ __global__ void __launch_bounds__(kThreads, 1) adam_lowp_kernel(const AdamLowpAr
           if (MASTER) w[i] = pf[k];
           p[i] = Elem<T>::store(pf[k]);
           if (!EIGHT_BIT) {
-            const uint32_t bits = detail::sr_bits(key, i);
+            const uint32_t bits = detail::sr_bits(kb, lane + 32 * k);
             reinterpret_cast<unsigned short*>(row[kAdamExpAvg])[i] = detail::round_bf16_sr(mf[k], bits & 0xFFFFu);
             reinterpret_cast<unsigned short*>(row[kAdamExpAvgSq])[i] = detail::round_bf16_sr(vf[k], bits >> 16);
           }

@@ -58,15 +58,21 @@ FASTOPS_HOST_DEVICE uint32_t sr_key(uint32_t seed, int64_t index) {
   return mix32(seed ^ mix32(static_cast<uint32_t>(index) + 0x9E3779B9u));
 }
 
-// _quant.sr_bits for element i: exp_avg rounds with the low 16 bits, exp_avg_sq with the high 16.
-FASTOPS_HOST_DEVICE uint32_t sr_bits(uint32_t key, int64_t i) {
-  return mix32(static_cast<uint32_t>(i) ^ key ^ (static_cast<uint32_t>(static_cast<uint64_t>(i) >> 32) * 0x85EBCA6Bu));
+// _quant.sr_block_keys: the key of block `block` (element index / 256) of a tensor whose key is `key`.
+FASTOPS_HOST_DEVICE uint32_t sr_block_key(uint32_t key, int64_t block) {
+  const uint64_t b = static_cast<uint64_t>(block);
+  return mix32(key ^ static_cast<uint32_t>(b)) ^ static_cast<uint32_t>(b >> 32);
 }
 
+// _quant.sr_bits of element j (0..255) of a block whose key is kb: exp_avg rounds with the low 16 bits, exp_avg_sq
+// with the high 16.
+FASTOPS_HOST_DEVICE uint32_t sr_bits(uint32_t kb, uint32_t j) { return mix32(kb + j * 0x9E3779B9u); }
+
+// _quant.round_bf16_stochastic: r16 < 2^16 added below the bf16 mantissa. An infinity needs no case of its own
+// (0x7f800000 + 0xffff truncates to 0x7f80 again); a nan's payload could carry into the sign.
 FASTOPS_HOST_DEVICE unsigned short round_bf16_sr(float x, uint32_t r16) {
-  const uint32_t bits = __float_as_uint(x);
   if (x != x) return 0x7FC0;
-  return static_cast<unsigned short>((finite(x) ? bits + r16 : bits) >> 16);
+  return static_cast<unsigned short>((__float_as_uint(x) + r16) >> 16);
 }
 
 }  // namespace detail
