@@ -185,7 +185,7 @@ void adam_bf16_range(const LowpTensor& t, const LowpConsts& c, int64_t lo, int64
 
 template <bool kL2, bool kScale>
 void adam_lowp_range(const LowpTensor& t, const LowpConsts& c, int64_t lo, int64_t hi) {
-  if (c.eight_bit) adam_8bit_range<kL2, kScale>(t, c, lo, hi);
+  if (c.format == StateFormat::kEightBit) adam_8bit_range<kL2, kScale>(t, c, lo, hi);
   else adam_bf16_range<kL2, kScale>(t, c, lo, hi);
 }
 
