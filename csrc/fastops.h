@@ -61,17 +61,3 @@ void register_linear_ce(pybind11::module_ m);
 
 #include <tuple>
 
-namespace fastops {
-namespace cpu {
-// linear_cross_entropy and its backward on CPU tensors, with the schemas' positional signatures (semantics:
-// fastops/_specs/linear_ce.py; the driver: csrc/linear_ce.h).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy(
-    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
-    int64_t ignore_index, int64_t reduction, double label_smoothing, double normalizer, bool grad_x,
-    bool grad_weight, bool grad_bias, int64_t chunk_rows);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
-    const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& bias, int64_t ignore_index, int64_t reduction,
-    double label_smoothing, double normalizer, bool grad_x, bool grad_weight, bool grad_bias, int64_t chunk_rows);
-}  // namespace cpu
-}  // namespace fastops

@@ -36,16 +36,34 @@ struct CeBackend {
 // the whole batch's logits. fastops/_lce.py's chunk_rows() is the same function (measured there).
 int64_t ce_chunk_rows(int64_t m, int64_t h, int64_t v, int64_t itemsize, bool grad_weight);
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_forward(
-    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
-    int64_t ignore_index, int64_t reduction, double label_smoothing, double normalizer, bool grad_x,
-    bool grad_weight, bool grad_bias, int64_t chunk_rows, const CeBackend& backend);
+// The op's arguments in the schemas' order (fastops/_specs/linear_ce.py; the backward takes grad_loss first), written
+// once for the driver and every backend's entry points.
+#define FASTOPS_CE_PARAMS                                                                                          \
+  const at::Tensor &x, const at::Tensor &weight, const at::Tensor &target, const std::optional<at::Tensor> &bias, \
+      int64_t ignore_index, int64_t reduction, double label_smoothing, double normalizer, bool grad_x,           \
+      bool grad_weight, bool grad_bias, int64_t chunk_rows
+#define FASTOPS_CE_ARGS \
+  x, weight, target, bias, ignore_index, reduction, label_smoothing, normalizer, grad_x, grad_weight, grad_bias, chunk_rows
+using CeForward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;  // loss, grad_x, grad_weight, grad_bias
+using CeBackward = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> ce_backward(
-    const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& bias, int64_t ignore_index, int64_t reduction,
-    double label_smoothing, double normalizer, bool grad_x, bool grad_weight, bool grad_bias, int64_t chunk_rows,
-    const CeBackend& backend);
+CeForward ce_forward(FASTOPS_CE_PARAMS, const CeBackend& backend);
+CeBackward ce_backward(const at::Tensor& grad_loss, FASTOPS_CE_PARAMS, const CeBackend& backend);
+
+// A backend's two entry points, linear_cross_entropy and linear_cross_entropy_backward, around the driver with
+// `backend` (a CeBackend); the statements after it run first in each (a device guard, say).
+#define FASTOPS_CE_ENTRY_POINTS(backend, ...)                                                  \
+  CeForward linear_cross_entropy(FASTOPS_CE_PARAMS) {                                          \
+    __VA_ARGS__;                                                                               \
+    return ce_forward(FASTOPS_CE_ARGS, backend);                                               \
+  }                                                                                            \
+  CeBackward linear_cross_entropy_backward(const at::Tensor& grad_loss, FASTOPS_CE_PARAMS) {   \
+    __VA_ARGS__;                                                                               \
+    return ce_backward(grad_loss, FASTOPS_CE_ARGS, backend);                                   \
+  }
+#define FASTOPS_CE_DECLARE_ENTRY_POINTS                      \
+  CeForward linear_cross_entropy(FASTOPS_CE_PARAMS);         \
+  CeBackward linear_cross_entropy_backward(const at::Tensor& grad_loss, FASTOPS_CE_PARAMS)
 
 // The row pass in ATen ops, for the dtypes no kernel takes (float64) on any device.
 void ce_rows_aten(const at::Tensor& buf, const at::Tensor& target, const at::Tensor& row_grad, double scale,
@@ -58,17 +76,15 @@ int ce_rows(int kind, void* z, int64_t rows, int64_t v, const int64_t* target, c
             float eps, bool with_grad, float* loss, void* stream);
 }  // namespace cuda
 
+namespace cpu {
+// The C++ CPU backend (csrc/cpu/linear_ce.cpp).
+FASTOPS_CE_DECLARE_ENTRY_POINTS;
+}  // namespace cpu
+
 namespace cuda_host {
-// The driver around csrc/cuda/ce_math.cuh's per-row math compiled for the host (csrc/cpu/ce_cuda_host.cpp), with
-// the op's signatures: what the CPU tests run in place of the CUDA kernel.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy(
-    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
-    int64_t ignore_index, int64_t reduction, double label_smoothing, double normalizer, bool grad_x,
-    bool grad_weight, bool grad_bias, int64_t chunk_rows);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
-    const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& bias, int64_t ignore_index, int64_t reduction,
-    double label_smoothing, double normalizer, bool grad_x, bool grad_weight, bool grad_bias, int64_t chunk_rows);
+// The driver around csrc/cuda/ce_math.cuh's per-row math compiled for the host (csrc/cpu/ce_cuda_host.cpp): what
+// the CPU tests run in place of the CUDA kernel.
+FASTOPS_CE_DECLARE_ENTRY_POINTS;
 }  // namespace cuda_host
 
 }  // namespace fastops

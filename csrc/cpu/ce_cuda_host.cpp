@@ -73,21 +73,7 @@ const CeBackend& backend() {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy(
-    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
-    int64_t ignore_index, int64_t reduction, double label_smoothing, double normalizer, bool grad_x,
-    bool grad_weight, bool grad_bias, int64_t chunk_rows) {
-  return ce_forward(x, weight, target, bias, ignore_index, reduction, label_smoothing, normalizer, grad_x,
-                    grad_weight, grad_bias, chunk_rows, backend());
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
-    const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& bias, int64_t ignore_index, int64_t reduction,
-    double label_smoothing, double normalizer, bool grad_x, bool grad_weight, bool grad_bias, int64_t chunk_rows) {
-  return ce_backward(grad_loss, x, weight, target, bias, ignore_index, reduction, label_smoothing, normalizer, grad_x,
-                     grad_weight, grad_bias, chunk_rows, backend());
-}
+FASTOPS_CE_ENTRY_POINTS(backend())
 
 }  // namespace cuda_host
 }  // namespace fastops

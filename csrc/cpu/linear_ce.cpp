@@ -213,10 +213,7 @@ at::ScalarType loss_dtype(const at::Tensor& x) { return x.scalar_type() == at::k
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_forward(
-    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
-    int64_t ignore_index, int64_t reduction, double label_smoothing, double normalizer, bool grad_x,
-    bool grad_weight, bool grad_bias, int64_t chunk_rows, const CeBackend& backend) {
+CeForward ce_forward(FASTOPS_CE_PARAMS, const CeBackend& backend) {
   const int64_t h = x.size(-1), v = weight.size(0);
   const at::Tensor x2 = x.reshape({-1, h}), t1 = target.reshape({-1});
   const int64_t n = x2.size(0);
@@ -254,11 +251,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_forward(
   return {loss, gx, gw, gb};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> ce_backward(
-    const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& bias, int64_t ignore_index, int64_t reduction,
-    double label_smoothing, double normalizer, bool grad_x, bool grad_weight, bool grad_bias, int64_t chunk_rows,
-    const CeBackend& backend) {
+CeBackward ce_backward(const at::Tensor& grad_loss, FASTOPS_CE_PARAMS, const CeBackend& backend) {
   const int64_t h = x.size(-1), v = weight.size(0);
   const at::Tensor x2 = x.reshape({-1, h}), t1 = target.reshape({-1});
   grad_bias = grad_bias && bias.has_value();
@@ -347,21 +340,7 @@ const CeBackend& cpu_backend() {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy(
-    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
-    int64_t ignore_index, int64_t reduction, double label_smoothing, double normalizer, bool grad_x,
-    bool grad_weight, bool grad_bias, int64_t chunk_rows) {
-  return ce_forward(x, weight, target, bias, ignore_index, reduction, label_smoothing, normalizer, grad_x,
-                    grad_weight, grad_bias, chunk_rows, cpu_backend());
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
-    const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& bias, int64_t ignore_index, int64_t reduction,
-    double label_smoothing, double normalizer, bool grad_x, bool grad_weight, bool grad_bias, int64_t chunk_rows) {
-  return ce_backward(grad_loss, x, weight, target, bias, ignore_index, reduction, label_smoothing, normalizer, grad_x,
-                     grad_weight, grad_bias, chunk_rows, cpu_backend());
-}
+FASTOPS_CE_ENTRY_POINTS(cpu_backend())
 
 }  // namespace cpu
 }  // namespace fastops

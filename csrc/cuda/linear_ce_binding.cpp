@@ -40,32 +40,16 @@ const CeBackend& backend() {
   return b;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
-    const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target, const std::optional<at::Tensor>& bias,
-    int64_t ignore_index, int64_t reduction, double label_smoothing, double normalizer, bool grad_x,
-    bool grad_weight, bool grad_bias, int64_t chunk_rows) {
-  TORCH_CHECK(x.is_cuda(), "fastops.linear_cross_entropy: the CUDA backend takes CUDA tensors");
-  const c10::cuda::CUDAGuard guard(x.device());
-  return ce_forward(x, weight, target, bias, ignore_index, reduction, label_smoothing, normalizer, grad_x,
-                    grad_weight, grad_bias, chunk_rows, backend());
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
-    const at::Tensor& grad_loss, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& target,
-    const std::optional<at::Tensor>& bias, int64_t ignore_index, int64_t reduction,
-    double label_smoothing, double normalizer, bool grad_x, bool grad_weight, bool grad_bias, int64_t chunk_rows) {
-  TORCH_CHECK(x.is_cuda(), "fastops.linear_cross_entropy: the CUDA backend takes CUDA tensors");
-  const c10::cuda::CUDAGuard guard(x.device());
-  return ce_backward(grad_loss, x, weight, target, bias, ignore_index, reduction, label_smoothing, normalizer, grad_x,
-                     grad_weight, grad_bias, chunk_rows, backend());
-}
+FASTOPS_CE_ENTRY_POINTS(backend(), TORCH_CHECK(x.is_cuda(), "fastops.linear_cross_entropy: the CUDA backend takes "
+                                                 "CUDA tensors");
+                        const c10::cuda::CUDAGuard guard(x.device()))
 
 }  // namespace
 
 void register_linear_ce(pybind11::module_ m) {
   namespace py = pybind11;
-  m.def("linear_cross_entropy", &forward, py::call_guard<py::gil_scoped_release>());
-  m.def("linear_cross_entropy_backward", &backward, py::call_guard<py::gil_scoped_release>());
+  m.def("linear_cross_entropy", &linear_cross_entropy, py::call_guard<py::gil_scoped_release>());
+  m.def("linear_cross_entropy_backward", &linear_cross_entropy_backward, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace cuda

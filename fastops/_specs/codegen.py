@@ -107,13 +107,17 @@ def _members(spec: OpSpec) -> list[str]:
     return out
 
 
+def _generated() -> list[OpSpec]:
+    return [spec for spec in SPECS.values() if spec.generated]
+
+
 def op_args_header() -> str:
     out = [*HEADER, "//", "// Each op's arguments by name; the C++ backends take them as one struct (the semantics: "
            "fastops/_ops.py).", "#pragma once", "", "#include <cstdint>", "#include <optional>", "#include <string>",
            "#include <vector>", "", "#include <ATen/core/Tensor.h>", "", "namespace fastops {", "",
            "using TensorList = std::vector<at::Tensor>;", "using OptionalTensor = std::optional<at::Tensor>;",
            ""]  # fmt: skip
-    for spec in SPECS.values():
+    for spec in _generated():
         name = camel(spec.name) + "Args"
         out += _wrap(spec.schema, "// ", "")
         out += [f"struct {name} {{", *_members(spec), "};",
@@ -144,11 +148,11 @@ def op_bindings_header() -> str:
            "def_<op>(m, kernel) defines", "// <op> on m, taking the op's arguments by name and running its check and "
            "kernel in one call from Python", "// (def_op, csrc/op_binding.h).", "#pragma once", "",
            '#include "generated/op_args.h"', '#include "op_binding.h"', "", "namespace fastops {", ""]  # fmt: skip
-    for spec in SPECS.values():
+    for spec in _generated():
         out += _def(spec)
     out += ["// Every op's check alone: what the backends written in Python (Triton, the reference) run first.",
             "inline void def_checks(py::module_ m) {"]  # fmt: skip
-    out += [f"  def_{spec.name}(m, CheckOnly{{}});" for spec in SPECS.values()]
+    out += [f"  def_{spec.name}(m, CheckOnly{{}});" for spec in _generated()]
     out += ["}", "", "}  // namespace fastops", ""]
     return "\n".join(out)
 

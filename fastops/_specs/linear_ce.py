@@ -235,6 +235,7 @@ def bad_backward_inputs(device="cpu") -> Iterator[BadCall]:
                   f"{OP}: grad_loss must be a floating tensor")
 
 
-FORWARD = OpSpec(FORWARD_SCHEMA, check_forward_tensors, check_forward_values, fake_forward, sample_inputs, bad_inputs)
-BACKWARD = OpSpec(BACKWARD_SCHEMA, check_backward_tensors, check_backward_values, fake_backward, backward_samples,
-                  bad_backward_inputs)
+FORWARD = OpSpec(FORWARD_SCHEMA, check_forward_tensors, check_forward_values, lambda a: fake_forward(*a), sample_inputs,
+                 bad_inputs, generated=False)
+BACKWARD = OpSpec(BACKWARD_SCHEMA, check_backward_tensors, check_backward_values, lambda a: fake_backward(*a),
+                  backward_samples, bad_backward_inputs, generated=False)

@@ -56,6 +56,10 @@ class OpSpec:
     fake_result: Callable[..., Any] | None
     sample_inputs: Callable[..., Iterator[Sample]]
     bad_inputs: Callable[[str], Iterator[BadCall]]
+    # Whether csrc/generated/ holds the op's C++ argument struct, binding and check (fastops/_specs/codegen.py).
+    # linear_cross_entropy's C++ entry points take the schema's positional arguments (csrc/linear_ce.h) and its
+    # check is the spec's alone, in Python: a few compares on four tensors, against calls of milliseconds.
+    generated: bool = True
     # Derived from the schema:
     name: str = dataclasses.field(init=False)
     arguments: tuple = dataclasses.field(init=False)  # torch._C.Argument, in order
