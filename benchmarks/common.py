@@ -10,7 +10,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import torch
 # The checkout these benchmarks sit in comes first: they measure its fastops, not one an editable install
 # elsewhere would put on the path (benchmarks import common before fastops).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fastops import demo  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 SCHEMA = ("bench", "provider", "size", "size_unit", "ms", "ms_q20", "ms_q80", "samples", "device", "hardware")
@@ -80,16 +80,7 @@ COLUMNS = {
 }
 
 
-def hardware(device: str) -> str:
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{name} x{torch.get_num_threads()} threads"
+hardware = demo.hardware  # the device's name, as the demo's results give it
 
 
 def llc_bytes() -> int | None:

@@ -149,7 +149,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also write the results to PATH.json and PATH.csv, as the benchmarks do")  # fmt: skip
 
 
-def _hardware(device: str) -> str:
+def hardware(device: str) -> str:
+    """The device's name as results files give it (benchmarks/common.py takes it from here)."""
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
     name = platform.processor() or platform.machine()
@@ -163,18 +164,18 @@ def _hardware(device: str) -> str:
 
 def write_results(path: str, args: argparse.Namespace, rows: list[dict], load_before: tuple, seconds: float) -> None:
     """PATH.json ({"meta", "rows"}, the benchmarks' schema: benchmarks/common.py) and PATH.csv."""
-    hardware = _hardware(args.device)
+    machine = hardware(args.device)
     size = f"TinyGPT d{args.dim} l{args.layers} v{args.vocab} b{args.batch}x{args.seq}"
     out = []
     for r in rows:
         out.append({"bench": "demo", "provider": r["label"], "size": size, "size_unit": "config",
                     "ms": round(r["ms"], 4), "ms_q20": round(r["ms_q20"], 4), "ms_q80": round(r["ms_q80"], 4),
-                    "samples": r["samples"], "device": args.device, "hardware": hardware,
+                    "samples": r["samples"], "device": args.device, "hardware": machine,
                     "speedup_vs_plain": round(rows[0]["ms"] / r["ms"], 3), "tokens_per_s": round(r["tok_s"], 1),
                     "first_loss": round(r["losses"][0], 6), "loss": round(r["loss"], 6)})  # fmt: skip
     options = {k: v for k, v in vars(args).items() if k not in ("cmd", "out")}
     command = "python -m fastops demo " + " ".join(f"--{k} {v}" for k, v in options.items())
-    meta = {"command": command, "hardware": hardware,
+    meta = {"command": command, "hardware": machine,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "loadavg_before": load_before,
             "loadavg_after": os.getloadavg(), "seconds": round(seconds, 1),
             "final_loss_rel_diff": round(abs(rows[1]["loss"] - rows[0]["loss"]) / abs(rows[0]["loss"]), 6),
