@@ -289,6 +289,11 @@ def report(a) -> None:
             verdict("extra memory <= 15% of eager's", name, r["mem_vs_eager"] <= 0.15,
                     r["mem_floor_mib"] > 0.15 * r["mem_eager_mib"])
     lines = [f"# {os.path.basename(base)}: fastops.linear_cross_entropy against its peers, per target", ""]
+    with open(base + ".json") as f:  # tests/claims.py reads a summary's machine and command from these two lines
+        meta = json.load(f)
+    lines += [f"Machine: {meta.get('hardware')} ({meta.get('machine')})",
+              f"Command: python benchmarks/bench_loss.py ... --out {os.path.basename(base)} (each point's in the JSON), "
+              "then --report", ""]
     for target, t in tally.items():
         lines.append(f"- {target}: met {len(t['met'])}, not met {len(t['not met'])}, ruled out {len(t['ruled out'])}")
         lines += [f"  - {k}: {', '.join(t[k])}" for k in ("not met", "ruled out") if t[k]]
