@@ -1,5 +1,5 @@
 """The random bits of bf16 states' stochastic rounding (fastops/_quant.py's sr_bits, which every backend reproduces bit
-for bit: tests/test_lowp_ops.py, test_cpu_isa.py, test_triton_lowp.py) have the statistics stochastic rounding needs:
+for bit: tests/test_lowp_ops.py, test_cpu_isa.py, test_cuda_math.py) have the statistics stochastic rounding needs:
 each rounding unbiased, the roundings of any two elements of a block uncorrelated, and none tied to a place in the
 block, to the block, to the tensor or to the step.
 
