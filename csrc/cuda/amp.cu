@@ -34,6 +34,22 @@ __device__ __forceinline__ GradChunk<T> grad_chunk(const int64_t* tensors, const
           numel < start + kChunkSize ? numel : start + kChunkSize};
 }
 
+// The block's threads over a chunk: 4 elements at a time through vec(i) where the grad is aligned for 4-wide
+// loads, then the rest one at a time through one(i).
+template <typename T, typename Vec, typename One>
+__device__ __forceinline__ void walk_chunk(const GradChunk<T>& ch, Vec vec, One one) {
+  int64_t scalar_from = ch.start;
+  if (detail::aligned(ch.g, 4 * sizeof(T))) {
+    const int64_t vec_end = ch.start + (ch.end - ch.start) / 4 * 4;
+    for (int64_t i = ch.start + 4 * static_cast<int64_t>(threadIdx.x); i < vec_end;
+         i += 4 * static_cast<int64_t>(blockDim.x)) {
+      vec(i);
+    }
+    scalar_from = vec_end;
+  }
+  for (int64_t i = scalar_from + threadIdx.x; i < ch.end; i += blockDim.x) one(i);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     unscale_check_kernel(const int64_t* tensors, const int64_t* chunks, int64_t n_chunks, float* found_inf,
@@ -41,29 +57,26 @@ __global__ void __launch_bounds__(kThreads)
   const float inv = inv_scale_ptr != nullptr ? *inv_scale_ptr : inv_scale_value;
   bool bad = false;
   for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-    const auto [g, start, end] = grad_chunk<T>(tensors, chunks, c);
-    int64_t scalar_from = start;
-    if (detail::aligned(g, 4 * sizeof(T))) {
-      const int64_t vec_end = start + (end - start) / 4 * 4;
-      for (int64_t i = start + 4 * static_cast<int64_t>(threadIdx.x); i < vec_end;
-           i += 4 * static_cast<int64_t>(blockDim.x)) {
-        float x[4];
-        detail::load4<false>(g + i, x);
+    const GradChunk<T> ch = grad_chunk<T>(tensors, chunks, c);
+    T* g = ch.g;
+    walk_chunk(
+        ch,
+        [&](int64_t i) {
+          float x[4];
+          detail::load4<false>(g + i, x);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          // Checked as it came in, as torch's AMP kernel does; fp32 multiply, one rounding on the store.
-          bad |= !detail::finite(x[k]);
-          x[k] = __fmul_rn(x[k], inv);
-        }
-        detail::store4(g + i, x);
-      }
-      scalar_from = vec_end;
-    }
-    for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) {
-      const float x = Elem<T>::load(g[i]);
-      bad |= !detail::finite(x);
-      g[i] = Elem<T>::store(__fmul_rn(x, inv));
-    }
+          for (int k = 0; k < 4; ++k) {
+            // Checked as it came in, as torch's AMP kernel does; fp32 multiply, one rounding on the store.
+            bad |= !detail::finite(x[k]);
+            x[k] = __fmul_rn(x[k], inv);
+          }
+          detail::store4(g + i, x);
+        },
+        [&](int64_t i) {
+          const float x = Elem<T>::load(g[i]);
+          bad |= !detail::finite(x);
+          g[i] = Elem<T>::store(__fmul_rn(x, inv));
+        });
   }
   // Only ever 1.0f: racing stores from several threads agree, and nothing clears the flag.
   if (bad) *found_inf = 1.0f;
@@ -131,21 +144,18 @@ __global__ void __launch_bounds__(kThreads)
                                int64_t first_partial, const float* inv_scale_ptr, float inv_scale_value) {
   const float inv = inv_scale_ptr != nullptr ? *inv_scale_ptr : inv_scale_value;
   for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
-    const auto [g, start, end] = grad_chunk<const T>(tensors, chunks, c);
+    const GradChunk<const T> ch = grad_chunk<const T>(tensors, chunks, c);
+    const T* g = ch.g;
     Stats s{0.0f, 0.0f, 0, 0};
-    int64_t scalar_from = start;
-    if (detail::aligned(g, 4 * sizeof(T))) {
-      const int64_t vec_end = start + (end - start) / 4 * 4;
-      for (int64_t i = start + 4 * static_cast<int64_t>(threadIdx.x); i < vec_end;
-           i += 4 * static_cast<int64_t>(blockDim.x)) {
-        float x[4];
-        detail::load4<true>(g + i, x);
+    walk_chunk(
+        ch,
+        [&](int64_t i) {
+          float x[4];
+          detail::load4<true>(g + i, x);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) accumulate(s, x[k], inv);
-      }
-      scalar_from = vec_end;
-    }
-    for (int64_t i = scalar_from + threadIdx.x; i < end; i += blockDim.x) accumulate(s, detail::load_ro(g + i), inv);
+          for (int k = 0; k < 4; ++k) accumulate(s, x[k], inv);
+        },
+        [&](int64_t i) { accumulate(s, detail::load_ro(g + i), inv); });
     s = block_reduce(s);
     if (threadIdx.x == 0) {
       float* out = partials + 3 * (first_partial + c);
