@@ -39,13 +39,13 @@ def run_cuda_math(name, args):
     getattr(_backend._C.cuda_math, name)(*args)
 
 
-def check(name, want):
+def check(name, want, **tolerance):
     """The CUDA math from ``want``'s inputs against the reference, then against the C++ kernels (with FMA)."""
     got = clone(want)
     run_cuda_math(name, got)
     cpp = clone(want)
     getattr(reference, name)(*want)
-    assert_step_matches(got, want)
+    assert_step_matches(got, want, **tolerance)
     if with_fma():
         _backend.load("cpp", "cpu")
         getattr(_backend._C.cpp, name)(*cpp)
@@ -74,7 +74,11 @@ def test_parity_hypothesis(sizes, fmt, dtype, master, wd, decoupled, maximize, b
     else:
         args = adam_lowp.inputs(sizes, fmt, dtype, master=master, scale=scale, seed=seed)
         name = "adam_step_lowp_"
-    check(name, fp32_lr(args._replace(weight_decay=wd, decoupled=decoupled, maximize=maximize, beta1=beta1)))
+    # max_ulps=2, as tests/test_lowp_ops.py's sweep argues: an update as large as the param carries the reference's
+    # 1-ulp sqrt error into the result, and the subtraction rounds once more (found here: 2 ulps in an fp32 amsgrad
+    # step, sizes [64, 100, 1007], maximize, L2 decay).
+    check(name, fp32_lr(args._replace(weight_decay=wd, decoupled=decoupled, maximize=maximize, beta1=beta1)),
+          param_ulp_share=0.05, max_ulps=2)
 
 
 @pytest.mark.parametrize("fmt", [StateFormat.EIGHT_BIT, StateFormat.BF16])
