@@ -138,7 +138,8 @@ void walk_lowp(const AdamLowpArgs& a) {
         m[k] = eight_bit ? detail::decode<true>(m_codes[i], m_absmax[blk]) : static_cast<float>(m_bf16[i]);
         v[k] = eight_bit ? detail::decode<false>(v_codes[i], v_absmax[blk]) : static_cast<float>(v_bf16[i]);
         float x = t.load(i), unused = 0.0f;
-        detail::adam_math<false>(x, t.load_grad(i), m[k], v[k], unused, a, s);
+        if (eight_bit) detail::adam_math<false>(x, t.load_grad(i), m[k], v[k], unused, a, s);
+        else detail::adam_math<false, true>(x, t.load_grad(i), m[k], v[k], unused, a, s);
         t.store(i, x);
         if (!eight_bit) {
           const uint32_t bits = detail::sr_bits(kb, static_cast<uint32_t>(k));

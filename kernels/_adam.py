@@ -132,7 +132,7 @@ def store_param(p, p_ptr, w_ptr, offs, mask, P_DTYPE: tl.constexpr, MASTER_: tl.
 def update(
     p, g, m, v, vmax_ptr, offs, mask, hyper, step_scalars,
     SCALE: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, WD: tl.constexpr,
-    LERP_SMALL: tl.constexpr, EMULATE_FMA: tl.constexpr, EVEN: tl.constexpr,
+    LERP_SMALL: tl.constexpr, EMULATE_FMA: tl.constexpr, EVEN: tl.constexpr, INV_BC2: tl.constexpr = False,
 ):  # fmt: skip
     """One Adam step on fp32 values -> (p, m, v). With AMSGRAD it also steps the fp32 max_exp_avg_sq at
     vmax_ptr + offs, loaded only once v is known (loaded before the update, 5 of the 21 AMSGRAD spec/arch
@@ -162,9 +162,13 @@ def update(
     if AMSGRAD:
         vmax = _max_nan(ld(vmax_ptr, offs, mask, EVEN), v)
         st(vmax_ptr, offs, vmax, mask, EVEN)
-        denom = tl.div_rn(tl.sqrt_rn(vmax), bc2_sqrt) + eps
+        root = tl.sqrt_rn(vmax)
     else:
-        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        root = tl.sqrt_rn(v)
+    if INV_BC2:  # bf16 states: reference.py's inv_bc2
+        denom = root * tl.div_rn(tl.full([], 1.0, tl.float32), bc2_sqrt) + eps
+    else:
+        denom = tl.div_rn(root, bc2_sqrt) + eps
     p = p + tl.div_rn(neg_step_size * m, denom)
     return p, m, v
 

@@ -42,7 +42,7 @@ def _lowp_tile(
     p, g, mask = _adam.load_param_grad(p_ptr, g_ptr, w_ptr, offs, numel, MASTER, EVEN)
     m, v = _codec.decode(m_ptr, v_ptr, ma_ptr, va_ptr, qs_ptr, qu_ptr, offs, mask, blk0, r, nblocks, EIGHT_BIT, EVEN)
     p, m, v = _adam.update(p, g, m, v, w_ptr, offs, mask, hyper, step_scalars, SCALE, False, MAXIMIZE, WD, LERP_SMALL,
-                           EMULATE_FMA, EVEN)  # fmt: skip
+                           EMULATE_FMA, EVEN, not EIGHT_BIT)  # fmt: skip
     _codec.encode(m, v, m_ptr, v_ptr, ma_ptr, va_ptr, key, offs, mask, blk0, r, c, nblocks, EIGHT_BIT, EVEN)
     _adam.store_param(p, p_ptr, w_ptr, offs, mask, P_DTYPE, MASTER, EVEN)
 

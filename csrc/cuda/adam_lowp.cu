@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kThreads, 1) adam_lowp_kernel(const AdamLowpAr
             vf[k] = __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(row[kAdamExpAvgSq])[i]);
           }
           float unused = 0.0f;
-          detail::adam_math<false>(pf[k], gf, mf[k], vf[k], unused, a, s);
+          detail::adam_math<false, !EIGHT_BIT>(pf[k], gf, mf[k], vf[k], unused, a, s);
           if (MASTER) w[i] = pf[k];
           p[i] = Elem<T>::store(pf[k]);
           if (!EIGHT_BIT) {

@@ -82,8 +82,9 @@ FASTOPS_HOST_DEVICE Chunk chunk_at(const AdamCommonArgs& a, int64_t c, float lr,
   return k;
 }
 
-// One element's step. vmax is read and written only with AMSGRAD.
-template <bool AMSGRAD>
+// One element's step. vmax is read and written only with AMSGRAD. INV_BC2: bf16 states' denominator (reference.py's
+// inv_bc2).
+template <bool AMSGRAD, bool INV_BC2 = false>
 FASTOPS_HOST_DEVICE void adam_math(float& p, float g, float& m, float& v, float& vmax, const AdamCommonArgs& a,
                                        const StepScalars& s) {
   if (a.has_grad_scale) g = __fdiv_rn(g, s.scale);
@@ -101,7 +102,9 @@ FASTOPS_HOST_DEVICE void adam_math(float& p, float g, float& m, float& v, float&
     vmax = max_nan(vmax, v);
     vhat = vmax;
   }
-  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(vhat), s.bc2_sqrt), a.eps);
+  const float root = __fsqrt_rn(vhat);
+  const float denom =
+      __fadd_rn(INV_BC2 ? __fmul_rn(root, __fdiv_rn(1.0f, s.bc2_sqrt)) : __fdiv_rn(root, s.bc2_sqrt), a.eps);
   p = __fadd_rn(p, __fdiv_rn(__fmul_rn(s.neg_step_size, m), denom));
 }
 
