@@ -60,6 +60,27 @@ def test_accumulation_skips_gradient_sync_on_micro_steps(strategy, one_rank_grou
     assert syncs == [False, True] * 4
 
 
+def test_the_group_fastops_started_is_destroyed_at_exit_and_a_users_is_left(tmp_path):
+    """Left to interpreter finalization, a gloo group can abort the rank at exit (torchrun saw SIGABRT once):
+    fastops destroys the group it started while the interpreter is whole, and leaves one the user started."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "PYTHONPATH": str(ROOT)}  # fmt: skip
+    # atexit runs handlers last-registered first: the probe, registered before accelerate(), sees the group after
+    # fastops' handler has run.
+    probe = ("import atexit, torch, torch.distributed as dist\n"
+             "atexit.register(lambda: print('initialized at exit:', dist.is_initialized(), flush=True))\n"
+             "from fastops.accelerate import accelerate\n"
+             "{user}"
+             "m = torch.nn.Linear(4, 2); o = torch.optim.AdamW(m.parameters())\n"
+             "accelerate(m, o, [(torch.randn(2, 4),)], precision='fp32', strategy='ddp')\n")  # fmt: skip
+    user = f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'rv'}', rank=0, world_size=1)\n"
+    for started_by, code, left in (("fastops", probe.format(user=""), False), ("the user", probe.format(user=user), True)):
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert f"initialized at exit: {left}" in out.stdout, (started_by, out.stdout, out.stderr[-2000:])
+
+
 # ---- two ranks (gloo) ----------------------------------------------------------------------------------
 
 

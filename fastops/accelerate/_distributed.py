@@ -4,6 +4,7 @@ norm, fp16 found_inf) global under FSDP2."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 
@@ -38,6 +39,11 @@ def process_state(device: torch.device | str | None, strategy: str, tp_size: int
         if device.type == "cuda":
             torch.cuda.set_device(device)  # before NCCL creates its communicator
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # The group fastops started, fastops ends, while the interpreter is still whole: left to finalization, gloo's
+        # worker threads can free tensors that take the GIL then, and the rank dies with SIGABRT ("terminate called
+        # without an active exception"; seen here once at the end of examples/train_one_line.py under torchrun, a
+        # loaded machine). A group the user started is the user's to destroy.
+        atexit.register(_destroy_process_group)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world_size = dist.get_world_size() if distributed else 1
@@ -48,6 +54,11 @@ def process_state(device: torch.device | str | None, strategy: str, tp_size: int
     dp_rank, dp_size = (rank, world_size) if mesh is None else (mesh["dp"].get_local_rank(), mesh["dp"].size())
     return ProcessState(device=device, distributed=distributed, rank=rank, world_size=world_size,
                         local_rank=local_rank or 0, strategy=strategy, mesh=mesh, dp_rank=dp_rank, dp_size=dp_size)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _resolve_strategy(strategy: str, world_size: int, distributed: bool) -> str:
