@@ -47,6 +47,9 @@ FIGURE = re.compile(
 CODE = re.compile(r"`[^`]*`")
 GPU_SKIP = re.compile(r"\bCUDA\b|\bGPU\b", re.I)
 SESSION_END = "session_end"  # tests with this mark run after every other test of the session
+# The test with this mark judges every outcome of the session. A pytest-xdist worker sees only its own share, so
+# under xdist the workers leave it out and the controller, which gets every report, judges at its session's end.
+SESSION_OUTCOMES = "session_outcomes"
 
 
 # ---- the markdown ----------------------------------------------------------------------------------------
@@ -273,6 +276,10 @@ def pytest_collection_modifyitems(session, config, items):
             item.add_marker("cuda")
         SESSION[item.nodeid] = Outcome(outcome="not run", device="cuda" if gpu and has_gpu else "cpu")
     items.sort(key=lambda item: item.get_closest_marker(SESSION_END) is not None)  # stable: the rest keep order
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker
+        judges = [item for item in items if item.get_closest_marker(SESSION_OUTCOMES)]
+        items[:] = [item for item in items if not item.get_closest_marker(SESSION_OUTCOMES)]
+        config.hook.pytest_deselected(items=judges)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -299,6 +306,9 @@ def pytest_deselected(items):
 
 def pytest_runtest_logreport(report):
     seen = SESSION.get(report.nodeid)
+    if seen is None and getattr(report, "node", None) is not None:  # the xdist controller, a worker's report
+        gpu = "cuda" in report.keywords and torch.cuda.is_available()
+        seen = SESSION.setdefault(report.nodeid, Outcome(outcome="not run", device="cuda" if gpu else "cpu"))
     if seen is None:
         return
     if report.skipped:
@@ -319,6 +329,30 @@ def matching(test_id: str, session: dict[str, Outcome]) -> dict[str, Outcome]:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", f"{SESSION_END}: runs after every other test of the session (tests/claims.py)")
+    config.addinivalue_line("markers", f"{SESSION_OUTCOMES}: judges the whole session's outcomes; under pytest-xdist "
+                                       "the controller does instead (tests/claims.py)")  # fmt: skip
+
+
+def judge_session(readme: str | None = None) -> tuple[list[str], bool]:
+    """(the status table's claims this session's outcomes contradict, whether none of its tests ran at all), for
+    the README's text ``readme`` (README.md's by default)."""
+    rows = ledger(DOCS[0].read_text() if readme is None else readme)
+    bad, unjudged = unbacked(rows, SESSION)
+    return bad, len(unjudged) == sum(len(r.claimed_devices()) for r in rows)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    if not session.config.pluginmanager.has_plugin("dsession"):  # without xdist, test_claims judges
+        return
+    bad, _ = judge_session()
+    if bad:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        reporter.ensure_newline()
+        reporter.write_line("tests/claims.py: the status table claims what this session did not show:", red=True)
+        for line in bad:
+            reporter.write_line("  " + line, red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,7 +14,7 @@ from tests.devices import CPU_BACKENDS, KERNEL_PAIRS, PAIRS  # noqa: E402
 # The claims ledger's hooks (tests/claims.py): what ran on which device, the cuda mark on every GPU case.
 from tests.claims import (  # noqa: E402,F401
     pytest_collection_modifyitems, pytest_configure, pytest_deselected, pytest_make_collect_report,
-    pytest_runtest_logreport)
+    pytest_runtest_logreport, pytest_sessionfinish)
 
 
 def _serve(device: str, backend: str):
