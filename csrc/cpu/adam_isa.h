@@ -35,6 +35,10 @@ inline void prefetch_ahead(const void* p, const void* g, const uint16_t* m16, co
   }
 }
 
+#if FASTOPS_HAVE_AVX2 && !FASTOPS_HAVE_AVX512
+#include "adam_bf16_avx2.h"
+#endif
+
 template <int kKind, bool kAms, bool kL2, bool kScale, bool kBf16 = false, int kLerp = kLerpMask>
 void adam_math(void* __restrict pv, const void* __restrict gv, void* __restrict mv, void* __restrict vv,
                float* __restrict vmax, void* __restrict outv, int64_t n, const AdamConsts& c, float neg_step_size,
@@ -60,6 +64,14 @@ void adam_math(void* __restrict pv, const void* __restrict gv, void* __restrict 
       i1 = min64(n, i0 + kSrBlock - j);
       x = sr_block_key(sr_key, (k0 + i0) / kSrBlock) + static_cast<uint32_t>(j) * kSrGolden;
       prefetch_ahead<kKind>(pv, gv, m16, v16, i0 + kPrefetchAhead, min64(n, i1 + kPrefetchAhead));
+#if FASTOPS_HAVE_AVX2 && !FASTOPS_HAVE_AVX512
+      if constexpr (kKind == kF32 && kLerp != kLerpMask) {  // the rest of the block (under 8) goes on below
+        const int64_t done = (i1 - i0) & ~int64_t{7};
+        x = adam_bf16_avx2<kL2, kScale, kLerp>(static_cast<float*>(pv) + i0, static_cast<const float*>(gv) + i0,
+                                               m16 + i0, v16 + i0, done, c, neg_step_size, inv_bc2, x);
+        i0 += done;
+      }
+#endif
     }
 #pragma omp simd linear(x : kSrGolden)
     for (int64_t i = i0; i < i1; ++i) {
