@@ -125,6 +125,9 @@ def main() -> None:
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
+    from tests.dist_worker import leave_without_shutdown
+
+    leave_without_shutdown()
 
 
 if __name__ == "__main__":

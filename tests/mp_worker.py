@@ -302,6 +302,9 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save(result, out)
     dist.destroy_process_group()
+    from tests.dist_worker import leave_without_shutdown
+
+    leave_without_shutdown()
 
 
 if __name__ == "__main__":
