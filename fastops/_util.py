@@ -6,10 +6,16 @@ from __future__ import annotations
 import collections.abc
 import copy
 import dataclasses
+import struct
 from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
+
+
+def round_fp32(x: float) -> float:
+    """The Python float ``x`` rounded to fp32 (round to nearest even), as a kernel's fp32 argument holds it."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:

@@ -8,11 +8,11 @@ for-loop implementation (``foreach=False``), so the two agree bit for bit."""
 from __future__ import annotations
 
 import math
-import struct
 
 import torch
 
 from . import _quant
+from ._util import round_fp32
 
 
 def _step_lr(params, lr, grad_scale, found_inf):
@@ -35,10 +35,6 @@ def _fp32_param_and_grad(param, master, grad, grad_scale):
     return p, g
 
 
-def _f32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
 def _adam_update(p, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, maximize,
                  decoupled, inv_bc2=False):  # fmt: skip
     """One Adam step on fp32 tensors, in place: torch.optim.Adam's for-loop operations in its order. Every state
@@ -46,9 +42,10 @@ def _adam_update(p, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, 
 
     inv_bc2 (bf16 states): sqrt(v) is multiplied by the fp32 reciprocal of the fp32 sqrt(bias_correction2) instead of
     divided by it, one rounding more (a relative 2^-24 in the denominator, far under the state's own 2^-9). It
-    takes one of the update's three divider operations away: on an AVX2 core, where the bf16 step is bound by its
-    instructions, not memory, that was 1.17 -> 1.00 ns/param in cache (Emerald Rapids at the avx2 level, 1M params,
-    1 thread, CPU time; benchmarks/results/adamw_lowp_cpu_avx2_1t.json has the step at 16M/24M)."""
+    takes one of the update's three divider operations away, for the AVX2 step, which is bound by its instructions,
+    not memory. Measured on Emerald Rapids, 16M / 24M params, one run each: at the avx2 level 1.16x / 1.14x torch's
+    fused=True before, 1.18x / 1.16x after at 1 thread, 1.01x / 1.14x and 1.08x / 1.21x at 2; at AVX-512 no change
+    beyond the runs' noise (1.30x / 1.31x, then 1.29x / 1.29x at 1 thread)."""
     if maximize:
         grad = -grad
     if weight_decay != 0:
@@ -69,7 +66,7 @@ def _adam_update(p, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, 
         root = exp_avg_sq.sqrt()
     if inv_bc2:
         # 1 / x in fp64 rounded to fp32 is the fp32 division's result: fp64 holds more than 2 * 24 + 2 bits.
-        denom = (root * _f32(1 / _f32(bias_correction2_sqrt))).add_(eps)
+        denom = (root * round_fp32(1 / round_fp32(bias_correction2_sqrt))).add_(eps)
     else:
         denom = (root / bias_correction2_sqrt).add_(eps)
     p.addcdiv_(exp_avg, denom, value=-step_size)

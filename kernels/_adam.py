@@ -14,11 +14,14 @@ in the kernel from each tensor's own step. That keeps the step free of syncs and
 from __future__ import annotations
 
 import os
-import struct
 
 import torch
 import triton
 import triton.language as tl
+
+# Float arguments go to the kernels rounded to fp32: compiled they are fp32 anyway, but the interpreter keeps
+# Python floats and adds them in fp64 (x + eps rounded once from fp64 put 2 of 5000 params 1 ulp off).
+from fastops._util import round_fp32 as _f32
 
 from ._common import (
     TL_DTYPE, block_sizes, chunk_of, device_scope, group_by_dtype, ld, round_to, scalar_value, st,
@@ -171,12 +174,6 @@ def update(
         denom = tl.div_rn(root, bc2_sqrt) + eps
     p = p + tl.div_rn(neg_step_size * m, denom)
     return p, m, v
-
-
-def _f32(x: float) -> float:
-    # Float arguments rounded to fp32 here: compiled they are fp32 anyway, but the interpreter keeps Python
-    # floats and adds them in fp64 (x + eps rounded once from fp64 put 2 of 5000 params 1 ulp off).
-    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 _CONSTS: dict = {}
