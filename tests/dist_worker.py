@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's fastops
+from tests.accelerate_helpers import leave_without_shutdown  # noqa: E402
 
 N, PER_RANK_BATCH, WORLD = 32, 4, 2
 SCENARIOS = {
@@ -176,16 +177,6 @@ def main(strategy: str, out: str) -> None:
     dist.destroy_process_group()
     leave_without_shutdown()
 
-
-def leave_without_shutdown() -> None:
-    """Ends a worker rank whose results are written. Twice in about 100 runs a rank died with SIGABRT ("terminate
-    called without an active exception") in the interpreter's shutdown, after everything had returned on both
-    ranks and the group was destroyed: a c10d/gloo teardown race in torch (pytorch#179291 describes one), not
-    something a worker checks; tests/lowp_worker.py's rank 0 hit it in CI's torch 2.13 leg. Leave without that
-    shutdown."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _local(t):

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's fastops
+from tests.accelerate_helpers import leave_without_shutdown  # noqa: E402
 
 STEPS, SAVE_AT, CLIP, LR = 10, 5, 0.05, 1e-2
 FORMATS = ("fp32", "bf16", "8bit")
@@ -125,8 +126,6 @@ def main() -> None:
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
-    from tests.dist_worker import leave_without_shutdown
-
     leave_without_shutdown()
 
 

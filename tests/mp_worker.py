@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's fastops
+from tests.accelerate_helpers import leave_without_shutdown  # noqa: E402
 
 STEPS, SAVE_AT = 10, 5
 LLAMA_CLIP = 0.5  # below the grad norm of every step here: the folded clip is active throughout
@@ -302,8 +303,6 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save(result, out)
     dist.destroy_process_group()
-    from tests.dist_worker import leave_without_shutdown
-
     leave_without_shutdown()
 
 
