@@ -50,7 +50,7 @@ void adam_math(void* __restrict pv, const void* __restrict gv, void* __restrict 
   const float w = c.lerp_weight, w_m1 = c.lerp_weight_m1;
   const uint32_t low_mask = c.lerp_low ? 0xffffffffu : 0u;
   const float beta2 = c.beta2, omb2 = c.one_minus_beta2, eps = c.eps;
-  // bf16 states multiply by 1 / sqrt(bc2) (reference.py's inv_bc2): a divide less an element, see adam_bf16_lerp.
+  // bf16 states multiply by 1 / sqrt(bc2): a divide less an element (reference.py's _adam_update says why).
   const float inv_bc2 = 1.0f / bc2_sqrt;
   const float wd = c.weight_decay, decay = c.decay, gdiv = c.grad.div, gsign = c.grad.sign;
   // bf16: an inner loop per block of 256 elements (one block key). The hash's counter kb + j * kSrGolden is an
