@@ -3,7 +3,7 @@ import os
 # Under pytest-xdist (CI's `-n 2` on 2 cores) two test processes each run torch's OpenMP pool of a thread per
 # core, and libgomp's default wait policy spins at each barrier for a thread whose core the other process holds.
 # Passive waiting keeps the 2-thread code paths under test: on the 2-core Xeon, test_real_models.py, test_adam.py
-# and test_frameworks.py under -n 2 took 229 s spinning and 97 s passive (Mask R-CNN's fp32 case 127 s -> 18 s).
+# and test_frameworks.py under -n 2 took 229 s spinning and 97-111 s passive (Mask R-CNN's fp32 case 127 s -> 18-23 s).
 # libgomp reads it when torch loads it, hence before the import.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -178,7 +178,6 @@ def main(strategy: str, out: str) -> None:
     leave_without_shutdown()
 
 
-
 def _local(t):
     return t._local_tensor if hasattr(t, "_local_tensor") else t
 
