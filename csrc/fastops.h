@@ -45,6 +45,8 @@ struct CacheStats {
 bool cpu_cache_enable(int64_t limit_bytes);
 CacheStats cpu_cache_stats();
 void cpu_cache_empty();
+// Whether torch's CPU allocator is this cache now (fastops.accelerate on a CPU device installs it).
+bool cpu_cache_active();
 
 }  // namespace cpu
 

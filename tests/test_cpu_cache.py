@@ -87,6 +87,32 @@ print("ok")
     assert out.strip() == "ok"
 
 
+def test_fused_loss_workspace_comes_from_the_cache():
+    # The fused loss's own buffers (bf16 logits 1024 x 32000, 62.5 MiB; the weight's H x V copy, 15.6 MiB) are
+    # mapped afresh at every call on huge pages, and come from the cache once fastops.accelerate installed it.
+    # The second call's grad_weight and its autograd copy hit the cache either way (2 hits); the two buffers
+    # make it 4.
+    out = _run(
+        """
+import torch, fastops
+from fastops._backend import _C
+assert _C.cpp.cpu_cache_enable(1 << 30)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(1024, 256, generator=g).bfloat16().requires_grad_()
+w = (torch.randn(32000, 256, generator=g) / 16).bfloat16().requires_grad_()
+t = torch.randint(0, 32000, (1024,), generator=g)
+def call():
+    x.grad = w.grad = None
+    fastops.linear_cross_entropy(x, w, t).backward()
+call()
+hits = _C.cpp.cpu_cache_stats()["hits"]
+call()
+print(_C.cpp.cpu_cache_stats()["hits"] - hits)
+"""
+    )
+    assert int(out) >= 4, out
+
+
 def test_threads_share_the_cache_safely():
     # Four threads allocate, fill, check and free blocks of 8 to 60 MiB against a cache smaller than what
     # they hold together, so hits, misses and evictions interleave.

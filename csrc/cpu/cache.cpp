@@ -229,6 +229,10 @@ CacheStats cpu_cache_stats() {
   return CachingCPUAllocator::instance == nullptr ? CacheStats{} : CachingCPUAllocator::instance->stats();
 }
 
+bool cpu_cache_active() {
+  return CachingCPUAllocator::instance != nullptr && c10::GetCPUAllocator() == CachingCPUAllocator::instance;
+}
+
 void cpu_cache_empty() {
   if (CachingCPUAllocator::instance != nullptr) CachingCPUAllocator::instance->release(0);
 }
