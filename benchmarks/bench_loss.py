@@ -6,7 +6,11 @@ A point is (threads, N, H, V); each point runs four cases: 15% or all of the row
 the head trainable or frozen (weight.requires_grad False: LoRA, a frozen tied embedding). Each provider runs in
 its own process (compile caches, allocator state and peak memory its own), the providers taking turns for
 ``--rounds`` rounds, so drift on a shared machine hits them alike; at 1 thread the time is the main thread's CPU
-time (steadier under load), at more the wall time. A "gemm" process times ATen's bf16 matmul of the three shapes
+time (steadier under load), at more the wall time. Two rounds at 1 thread, four at more: on the 2-core VM whole
+stretches of tens of seconds run every process 1.5-2x slower at 2 threads (fastops' worker at N1024 H256 V32000,
+all labeled: 96-110 ms, then 55-62 ms minutes later, no other job running), so two rounds at 2 threads could give a
+provider only slow samples (that point read 0.96x and 0.99x the best peer in two 2-round runs, 1.62x in a 4-round
+one). A "gemm" process times ATen's bf16 matmul of the three shapes
 the loss needs (logits N x H @ H x V, grad_x N x V @ V x H, grad_W V x N @ N x H) and of 2048 x 1024 @ 1024 x 4096
 (the machine's bf16 GEMM peak) in the same rounds. Peak extra memory: the process's peak RSS during one forward +
 backward less its RSS before it, after warm-up, in a process of its own where glibc maps every block of 64 KiB
@@ -243,7 +247,8 @@ def measure(a) -> None:
     for threads, n, h, v in todo:
         with _locked(a.lock):
             t0 = time.time()
-            rows = run_point(threads, n, h, v, a.rounds, threads in a.mem_threads)
+            rounds = a.rounds or (2 if threads == 1 else 4)
+            rows = run_point(threads, n, h, v, rounds, threads in a.mem_threads)
             took = time.time() - t0
         new = not os.path.exists(path)
         with open(path, "a", newline="") as f:
@@ -355,7 +360,7 @@ def main() -> None:
     p.add_argument("--n", type=int, nargs="+", default=list(GRID["n"]))
     p.add_argument("--h", type=int, nargs="+", default=list(GRID["h"]))
     p.add_argument("--v", type=int, nargs="+", default=list(GRID["v"]))
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, help="rounds of every provider a point (default 2 at 1 thread, 4 at more)")
     p.add_argument("--mem-threads", type=int, nargs="*", default=[1],
                    help="thread counts whose points also measure peak memory (it does not depend on them)")
     p.add_argument("--out", default="loss_grid")
