@@ -3,14 +3,16 @@ eager, the same two lines under ``torch.compile``, under ``torch.compile`` with 
 (``torch._inductor.config.auto_chunker.enable``), and ``fastops.linear_cross_entropy``; bf16, no bias.
 
 A point is (threads, N, H, V); each point runs four cases: 15% or all of the rows labeled (masked / causal LM),
-the head trainable or frozen (weight.requires_grad False: LoRA, a frozen tied embedding). Each provider runs in
-its own process (compile caches, allocator state and peak memory its own), the providers taking turns for
-``--rounds`` rounds, so drift on a shared machine hits them alike; at 1 thread the time is the main thread's CPU
-time (steadier under load), at more the wall time. Two rounds at 1 thread, four at more: on the 2-core VM whole
-stretches of tens of seconds run every process 1.5-2x slower at 2 threads (fastops' worker at N1024 H256 V32000,
-all labeled: 96-110 ms, then 55-62 ms minutes later, no other job running), so two rounds at 2 threads could give a
-provider only slow samples (that point read 0.96x and 0.99x the best peer in two 2-round runs, 1.62x in a 4-round
-one). A "gemm" process times ATen's bf16 matmul of the three shapes
+the head trainable or frozen (weight.requires_grad False: LoRA, a frozen tied embedding). The four providers are
+timed in one process, the sixteen (case, provider) calls taking turns call by call (the order rotating), for ``--rounds`` processes (two at 1 thread,
+four at more); at 1 thread the time is the main thread's CPU time, at more the wall time. One process for all, where
+each had had its own: this 2-core VM has stretches of seconds to minutes in which one of its two vCPUs runs 2x
+slower (a 2048 x 1024 @ 1024 x 4096 bf16 matmul pinned to one with taskset took 15-17 ms or 35-37 ms by turns, on
+either), so a provider's own process could land on the slow one for its whole life, at 1 thread as at 2. Timed
+that way, three points read 0.54x-0.96x the best peer with every row labeled and 1.06x-1.46x in one process (2
+threads N1024 H2048 V8000, 0.54x -> 1.06x; 1 thread N4096 H1024 V8000, 0.86x -> 1.28x; 2 threads N1024 H256
+V32000, 0.96x -> 1.46x). The cases take turns too: one after another, a slow stretch over the frozen-head case had
+the frozen head 0.91x the trained one's speed (1 thread N4096 H1024 V8000). A "gemm" process times ATen's bf16 matmul of the three shapes
 the loss needs (logits N x H @ H x V, grad_x N x V @ V x H, grad_W V x N @ N x H) and of 2048 x 1024 @ 1024 x 4096
 (the machine's bf16 GEMM peak) in the same rounds. Peak extra memory: the process's peak RSS during one forward +
 backward less its RSS before it, after warm-up, in a process of its own where glibc maps every block of 64 KiB
@@ -20,8 +22,8 @@ training runs it); the gradients the call returns are part of every provider's f
 One CSV row per (point, case), appended as each point finishes: a run can be stopped and resumed (points already
 in the file are skipped) and any subset of the grid run (--n/--h/--v/--threads lists). Columns:
   threads, n, h, v, labeled_pct, frozen_head     the case
-  ms_<provider>                                  ms of forward + backward: the median at 1 thread (CPU time), the
-                                                 least of the samples at more (wall time)
+  ms_<provider>                                  ms of forward + backward, the least of the samples (CPU time at
+                                                 1 thread, wall time at more)
   speedup_best_peer                              min(ms_compile, ms_chunker) / ms_fastops
   speedup_eager                                  ms_eager / ms_fastops
   frozen_speedup                                 (frozen rows) fastops' ms with the head trainable / frozen
@@ -50,7 +52,6 @@ import gc
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -131,6 +132,9 @@ def worker(a) -> None:
     def loss_fn(x, w, t):
         return F.cross_entropy(F.linear(x, w), t)
 
+    if a.worker == "together":
+        common.reply(_together(a, loss_fn))
+        return
     fn = {"eager": loss_fn, "compile": torch.compile(loss_fn), "chunker": torch.compile(loss_fn),
           "fastops": lambda x, w, t: fastops.linear_cross_entropy(x, w, t)}[a.worker]
     for labeled, frozen in CASES:
@@ -140,17 +144,52 @@ def worker(a) -> None:
             x.grad = w.grad = None
             fn(x, w, t).backward()
 
-        key = f"{labeled}:{int(frozen)}"
         big = 6 * a.n * a.h * a.v > 2e12  # seconds a call: one measured call after one warm-up
-        if a.mem:
+        step()
+        if a.worker in PEERS or not big:
             step()
-            if a.worker in PEERS or not big:
-                step()
-            x.grad = w.grad = None
-            out[key] = round(min(_peak_extra_mib(step) for _ in range(1 if big else 2)), 1)
-        else:
-            out[key] = _samples(step, a.threads, a.repeats, 2 if a.worker in PEERS else 1)
+        x.grad = w.grad = None
+        out[f"{labeled}:{int(frozen)}"] = round(min(_peak_extra_mib(step) for _ in range(1 if big else 2)), 1)
     common.reply(out)
+
+
+def _together(a, loss_fn) -> dict:
+    """Every provider and case in this one process, taking turns call by call (the order rotating), so a slow
+    stretch of a vCPU lands on all of them alike, the frozen-head cases included: {case: {provider: samples}}.
+    Memory is measured per provider (``--mem``)."""
+    import torch
+    import torch.nn.functional as F
+
+    import fastops
+
+    def chunked(x, w, t):  # its own code object: dynamo caches compiled code per code object, not per wrapper
+        return F.cross_entropy(F.linear(x, w), t)
+
+    fns = {"eager": loss_fn, "compile": torch.compile(loss_fn), "chunker": torch.compile(chunked),
+           "fastops": lambda x, w, t: fastops.linear_cross_entropy(x, w, t)}
+    # One x and W for every case (_inputs draws the same values whatever the case): a frozen case turns W's
+    # requires_grad off for its call, and the compiled providers keep a graph for each setting.
+    targets = {labeled: _inputs(a.n, a.h, a.v, labeled, False)[2] for labeled in {lab for lab, _ in CASES}}
+    x, w, _ = _inputs(a.n, a.h, a.v, 100, False)
+    steps = {}
+    for labeled, frozen in CASES:
+        for p, fn in fns.items():
+            def step(fn=fn, t=targets[labeled], frozen=frozen):
+                w.requires_grad_(not frozen)
+                x.grad = w.grad = None
+                fn(x, w, t).backward()
+
+            steps[(f"{labeled}:{int(frozen)}", p)] = step
+            # The chunker's graphs are compiled in these warm-up calls, the only ones under its config.
+            with torch._inductor.config.patch({"auto_chunker.enable": p == "chunker"}):
+                for _ in range(2 if p in PEERS else 1):
+                    step()
+    order, out = list(steps), {}
+    for i in range(a.repeats):
+        k = i * 5 % len(order)  # 5 is prime to the 16 calls: each starts a repetition in turn
+        for key, p in order[k:] + order[:k]:
+            out.setdefault(key, {}).setdefault(p, []).extend(_samples(steps[(key, p)], a.threads, 1, 0))
+    return out
 
 
 def _point_args(threads, n, h, v, repeats) -> list[str]:
@@ -172,14 +211,16 @@ def run_point(threads, n, h, v, rounds, mem) -> list[dict]:
             del os.environ["MALLOC_MMAP_THRESHOLD_"]
     samples: dict = {}
     for _ in range(rounds):
-        for p in ("gemm", *PROVIDERS):
+        for p in ("gemm", "together"):
             res = common.in_fresh_process(__file__, [*base, "--worker", p])
             for key, s in res.items():
-                samples.setdefault((p, key), []).extend(s)
-    # 1 thread: the median of the main thread's CPU time. More threads: wall time, where another job on the
-    # machine only ever adds (a preempted thread holds up every barrier of the others): the least of the samples.
-    stat = statistics.median if threads == 1 else min
-    med = {k: stat(s) for k, s in samples.items()}
+                for provider, got in (s.items() if p == "together" else [(p, s)]):
+                    samples.setdefault((provider, key), []).extend(got)
+    # The least of the samples: a slow stretch of a vCPU or another job only ever adds. The median (once taken at 1
+    # thread) mixed the two processes' stretches: fast in one, slow in the other, half the samples each, it fell
+    # between them as it pleased (1 thread N1024 H2048 V8000, trained head: fastops 278 ms and the chunker 285
+    # against torch.compile's 184, where one process apiece had timed 163, 156 and 161).
+    med = {k: min(s) for k, s in samples.items()}
     rate = {s: 2 * n * h * v / (med[("gemm", s)] * 1e6) for s in SHAPES}
     peak = 2 * 2048 * 1024 * 4096 / (med[("gemm", "peak")] * 1e6)
     best = max(rate.values())
