@@ -34,12 +34,13 @@ MIN_BLOCK_PARAMS = 1 << 17
 MIN_STEPS = 100
 # fused_loss: the fused op is used when at most MAX_LABELED_SHARE of the rows carry a label, or at any share up to
 # a vocabulary of ALL_ROWS_MAX_VOCAB. Measured with the op's chunks of at most 512 labeled rows, bf16, Xeon with AMX,
-# every row labeled (results/loss_grid.md, 13 points: V 8000 to 151936, H 256 to 2048, N 1024 and 4096): at 1 thread
-# the op took 0.37-0.97x the time of the best of torch.compile and its auto-chunker, and 0.30-0.83x plain
-# torch.compile's; at 2 threads (4 points, V 8000 and 32000, H 256) 0.42-0.78x the best peer's. LlamaForCausalLM 4x256 trained in 276 ms a step with it against 305 with the head's own
-# loss compiled (results/train_cpu_llama_1t.json). The largest vocabulary measured is Qwen2's 151936 (N=1024,
-# H=256, 1 thread: 1.66x the best peer); past it, with every row labeled, the head's own loss runs. (Before the
-# 512-row chunks the op added its fp32 grad_weight once per 2^22 logits and lost from V=32000 on: 1.10-1.19x.)
+# every row labeled (results/loss_grid.md, 18 points: V 8000 to 151936, H 256 to 2048, N 1024 and 4096, the providers
+# timed in one process): at 1 thread the op took 0.29-1.03x the time of the best of torch.compile and its
+# auto-chunker, 1.03x only at N=1024 H=2048 V=32000 (where all three are matmul-bound); at 2 threads (6 points)
+# 0.46-0.92x. LlamaForCausalLM 4x256 trained in 276 ms a step with it against 305 with the head's own loss compiled
+# (results/train_cpu_llama_1t.json). The largest vocabulary measured is Qwen2's 151936 (N=1024, H=256, 1 thread:
+# 1.57x the best peer); past it, with every row labeled, the head's own loss runs. (Before the 512-row chunks the
+# op added its fp32 grad_weight once per 2^22 logits and lost from V=32000 on: 1.10-1.19x.)
 MAX_LABELED_SHARE = 0.5
 ALL_ROWS_MAX_VOCAB = 151936
 
