@@ -4,17 +4,18 @@ eager, the same two lines under ``torch.compile``, under ``torch.compile`` with 
 
 A point is (threads, N, H, V); each point runs four cases: 15% or all of the rows labeled (masked / causal LM),
 the head trainable or frozen (weight.requires_grad False: LoRA, a frozen tied embedding). The four providers are
-timed in one process, the sixteen (case, provider) calls taking turns call by call (the order rotating), for ``--rounds`` processes (two at 1 thread,
-four at more); at 1 thread the time is the main thread's CPU time, at more the wall time. One process for all, where
+timed in one process, the sixteen (case, provider) calls taking turns call by call (the order rotating), in
+``--rounds`` such processes (two at 1 thread, four at more); at 1 thread the time is the main thread's CPU time, at
+more the wall time. One process for all, where
 each had had its own: this 2-core VM has stretches of seconds to minutes in which one of its two vCPUs runs 2x
 slower (a 2048 x 1024 @ 1024 x 4096 bf16 matmul pinned to one with taskset took 15-17 ms or 35-37 ms by turns, on
 either), so a provider's own process could land on the slow one for its whole life, at 1 thread as at 2. Timed
 that way, three points read 0.54x-0.96x the best peer with every row labeled and 1.06x-1.46x in one process (2
 threads N1024 H2048 V8000, 0.54x -> 1.06x; 1 thread N4096 H1024 V8000, 0.86x -> 1.28x; 2 threads N1024 H256
 V32000, 0.96x -> 1.46x). The cases take turns too: one after another, a slow stretch over the frozen-head case had
-the frozen head 0.91x the trained one's speed (1 thread N4096 H1024 V8000). A "gemm" process times ATen's bf16 matmul of the three shapes
-the loss needs (logits N x H @ H x V, grad_x N x V @ V x H, grad_W V x N @ N x H) and of 2048 x 1024 @ 1024 x 4096
-(the machine's bf16 GEMM peak) in the same rounds. Peak extra memory: the process's peak RSS during one forward +
+the frozen head 0.91x the trained one's speed (1 thread N4096 H1024 V8000). A "gemm" process times ATen's bf16
+matmul of the three shapes the loss needs (logits N x H @ H x V, grad_x N x V @ V x H, grad_W V x N @ N x H) and
+of 2048 x 1024 @ 1024 x 4096 (the machine's bf16 GEMM peak) in the same rounds. Peak extra memory: the process's peak RSS during one forward +
 backward less its RSS before it, after warm-up, in a process of its own where glibc maps every block of 64 KiB
 and more (MALLOC_MMAP_THRESHOLD_), so freed buffers leave the RSS (the timing processes keep glibc's default, as
 training runs it); the gradients the call returns are part of every provider's figure.
@@ -111,7 +112,6 @@ def _inputs(n, h, v, labeled_pct, frozen):
 
 def worker(a) -> None:
     import torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(a.threads)
     out = {}
@@ -125,18 +125,13 @@ def worker(a) -> None:
             out[name] = _samples(fn, a.threads, a.repeats if name != "peak" else 5, 1)
         common.reply(out)
         return
+    if a.worker == "together":
+        common.reply(_together(a))
+        return
+    # A provider of its own: its peak memory.
     if a.worker == "chunker":
         torch._inductor.config.auto_chunker.enable = True
-    import fastops
-
-    def loss_fn(x, w, t):
-        return F.cross_entropy(F.linear(x, w), t)
-
-    if a.worker == "together":
-        common.reply(_together(a, loss_fn))
-        return
-    fn = {"eager": loss_fn, "compile": torch.compile(loss_fn), "chunker": torch.compile(loss_fn),
-          "fastops": lambda x, w, t: fastops.linear_cross_entropy(x, w, t)}[a.worker]
+    fn = _providers()[a.worker]
     for labeled, frozen in CASES:
         x, w, t = _inputs(a.n, a.h, a.v, labeled, frozen)
 
@@ -153,24 +148,36 @@ def worker(a) -> None:
     common.reply(out)
 
 
-def _together(a, loss_fn) -> dict:
-    """Every provider and case in this one process, taking turns call by call (the order rotating), so a slow
-    stretch of a vCPU lands on all of them alike, the frozen-head cases included: {case: {provider: samples}}.
-    Memory is measured per provider (``--mem``)."""
+def _providers() -> dict:
+    """Each provider's loss(x, W, target). The chunker is torch.compile of the same two lines, compiled under the
+    auto-chunker's config."""
     import torch
     import torch.nn.functional as F
 
     import fastops
 
+    def loss_fn(x, w, t):
+        return F.cross_entropy(F.linear(x, w), t)
+
     def chunked(x, w, t):  # its own code object: dynamo caches compiled code per code object, not per wrapper
         return F.cross_entropy(F.linear(x, w), t)
 
-    fns = {"eager": loss_fn, "compile": torch.compile(loss_fn), "chunker": torch.compile(chunked),
-           "fastops": lambda x, w, t: fastops.linear_cross_entropy(x, w, t)}
+    return {"eager": loss_fn, "compile": torch.compile(loss_fn), "chunker": torch.compile(chunked),
+            "fastops": lambda x, w, t: fastops.linear_cross_entropy(x, w, t)}
+
+
+def _together(a) -> dict:
+    """Every provider and case in this one process, taking turns call by call (the order rotating), so a slow
+    stretch of a vCPU lands on all of them alike, the frozen-head cases included: {case: {provider: samples}}.
+    Memory is measured in a process per provider (``worker``)."""
+    import torch
+
+    fns = _providers()
     # One x and W for every case (_inputs draws the same values whatever the case): a frozen case turns W's
     # requires_grad off for its call, and the compiled providers keep a graph for each setting.
-    targets = {labeled: _inputs(a.n, a.h, a.v, labeled, False)[2] for labeled in {lab for lab, _ in CASES}}
-    x, w, _ = _inputs(a.n, a.h, a.v, 100, False)
+    targets = {}
+    for labeled in sorted({lab for lab, _ in CASES}):
+        x, w, targets[labeled] = _inputs(a.n, a.h, a.v, labeled, False)
     steps = {}
     for labeled, frozen in CASES:
         for p, fn in fns.items():
@@ -206,7 +213,7 @@ def run_point(threads, n, h, v, rounds, mem) -> list[dict]:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
         try:
             for p in PROVIDERS:
-                mib[p] = common.in_fresh_process(__file__, [*base, "--worker", p, "--mem"])
+                mib[p] = common.in_fresh_process(__file__, [*base, "--worker", p])
         finally:
             del os.environ["MALLOC_MMAP_THRESHOLD_"]
     samples: dict = {}
@@ -220,21 +227,21 @@ def run_point(threads, n, h, v, rounds, mem) -> list[dict]:
     # thread) mixed the two processes' stretches: fast in one, slow in the other, half the samples each, it fell
     # between them as it pleased (1 thread N1024 H2048 V8000, trained head: fastops 278 ms and the chunker 285
     # against torch.compile's 184, where one process apiece had timed 163, 156 and 161).
-    med = {k: min(s) for k, s in samples.items()}
-    rate = {s: 2 * n * h * v / (med[("gemm", s)] * 1e6) for s in SHAPES}
-    peak = 2 * 2048 * 1024 * 4096 / (med[("gemm", "peak")] * 1e6)
+    least = {k: min(s) for k, s in samples.items()}
+    rate = {s: 2 * n * h * v / (least[("gemm", s)] * 1e6) for s in SHAPES}
+    peak = 2 * 2048 * 1024 * 4096 / (least[("gemm", "peak")] * 1e6)
     best = max(rate.values())
     rows = []
     for labeled, frozen in CASES:
         key = f"{labeled}:{int(frozen)}"
-        ms = {p: med[(p, key)] for p in PROVIDERS}
+        ms = {p: least[(p, key)] for p in PROVIDERS}
         mats = 2 if frozen else 3
         rows_computed = n if labeled == 100 else round(n * labeled / 100)  # fastops drops the ignored rows
         row = {"threads": threads, "n": n, "h": h, "v": v, "labeled_pct": labeled, "frozen_head": int(frozen),
                **{f"ms_{p}": round(ms[p], 2) for p in PROVIDERS},
                "speedup_best_peer": round(min(ms[p] for p in PEERS) / ms["fastops"], 3),
                "speedup_eager": round(ms["eager"] / ms["fastops"], 3),
-               "frozen_speedup": round(med[("fastops", f"{labeled}:0")] / ms["fastops"], 3) if frozen else "",
+               "frozen_speedup": round(least[("fastops", f"{labeled}:0")] / ms["fastops"], 3) if frozen else "",
                **{f"mem_{p}_mib": mib[p][key] if mem else "" for p in PROVIDERS},
                "mem_vs_eager": round(mib["fastops"][key] / mib["eager"][key], 3) if mem else "",
                "mem_floor_mib": round(((0 if frozen else 2 * v * h) + 2 * n * h) / 2**20, 1),
@@ -401,7 +408,8 @@ def main() -> None:
     p.add_argument("--n", type=int, nargs="+", default=list(GRID["n"]))
     p.add_argument("--h", type=int, nargs="+", default=list(GRID["h"]))
     p.add_argument("--v", type=int, nargs="+", default=list(GRID["v"]))
-    p.add_argument("--rounds", type=int, help="rounds of every provider a point (default 2 at 1 thread, 4 at more)")
+    p.add_argument("--rounds", type=int,
+                   help="timing processes a point, each timing every provider (default 2 at 1 thread, 4 at more)")
     p.add_argument("--mem-threads", type=int, nargs="*", default=[1],
                    help="thread counts whose points also measure peak memory (it does not depend on them)")
     p.add_argument("--out", default="loss_grid")
@@ -409,7 +417,6 @@ def main() -> None:
     p.add_argument("--report", action="store_true", help="only summarise and plot the CSV")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=3, help=argparse.SUPPRESS)
-    p.add_argument("--mem", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         a.threads, a.n, a.h, a.v = a.threads[0], a.n[0], a.h[0], a.v[0]
