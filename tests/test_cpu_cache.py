@@ -90,8 +90,8 @@ print("ok")
 def test_fused_loss_workspace_comes_from_the_cache():
     # The fused loss's own buffers (bf16 logits 1024 x 32000, 62.5 MiB; the weight's H x V copy, 15.6 MiB) are
     # mapped afresh at every call on huge pages, and come from the cache once fastops.accelerate installed it.
-    # The second call's grad_weight and its autograd copy hit the cache either way (2 hits); the two buffers
-    # make it 4.
+    # The second call's other large blocks hit the cache either way (2 hits with the buffers on huge pages of their
+    # own, measured); the two buffers make it 4.
     out = _run(
         """
 import torch, fastops
