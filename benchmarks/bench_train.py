@@ -18,11 +18,12 @@ torchvision's ``resnet50`` and ``maskrcnn_resnet50_fpn``, HF transformers' ``Ber
 Fair by construction: every provider gets the same initial weights (seeded), the same batches through a
 DataLoader over one list (the prepared ones move them to the device, the plain loops call ``.to(device)``),
 the same dropout masks and Mask R-CNN proposal samples (the global RNG is seeded before each step, outside the
-timed region, by common.time_samples' reset), the same optimizer hyperparameters and the same loop
-(``_steps``). Each provider runs in its own process (fastops.accelerate keeps freed memory in the process on
-the CPU, a process-wide setting that must not reach the others), ``--blocks`` times with the providers taking
-turns, so load from other processes hits them alike; medians with 20/80% quantiles over the timed steps of
-all runs. Loss curves are compared at the end (see loss_check); a mismatch gives exit status 1.
+timed region, by _Provider.reseed), the same optimizer hyperparameters and the same loop
+(``_steps``). Each provider runs in a process of its own (fastops.accelerate keeps freed memory in the process on
+the CPU, a process-wide setting that must not reach the others), ``--blocks`` times; in a block the providers'
+processes live side by side and take turns step by step (see run_case), so a slow stretch of the machine hits them
+all alike; medians with 20/80% quantiles over the timed steps of all blocks. Loss curves are compared at the end
+(see loss_check); a mismatch gives exit status 1.
 
     python benchmarks/bench_train.py                        # every model on the CPU
     python benchmarks/bench_train.py --quick                # smoke run (841 s, --rounds 2, load 4-8 on 2 cores)
@@ -55,7 +56,7 @@ import train_profile  # noqa: E402
 from fastops.accelerate import accelerate  # noqa: E402
 
 from train_report import (AMP_NOISE, AMP_REF, CLAIMS, COMPILE, EXPLICIT, F_BOTH, F_COMPILE, F_EAGER,  # noqa: E402
-                          F_FUSED, F_NCHW, FASTOPS, FP32, HF, LOSS_TAIL, PEAK, PEERS, SAME_RECIPE_RTOL,
+                          F_FUSED, F_NCHW, FASTOPS, FP32, HF, LOSS_TAIL, PEERS, SAME_RECIPE_RTOL,
                           BF16_VS_FP32_RTOL, loss_check, print_rows, targets)
 from train_cases import CASES  # noqa: E402
 
@@ -178,54 +179,75 @@ def _start(case: dict, label: str, steps: int, device: str):
     return PROVIDERS[label](case, case["make"](), _loader(batches), device)
 
 
-def run_provider(case: dict, label: str, steps: int, device: str, profile_steps: int = 0) -> dict:
-    """``steps`` training steps of one provider from the shared initial weights: per-step ms and losses, the
-    training memory, and with ``profile_steps`` a profiler breakdown of that many more steps."""
-    it = _start(case, label, steps + profile_steps, device)
-    losses: list[float] = []
+class _Provider:
+    """One provider's training run, in a worker process of its own: ``step`` runs and times one step from the
+    shared initial weights, ``finish`` gives the losses and the training memory, and with ``profile_steps`` a
+    profiler breakdown of that many more steps."""
 
-    def reseed() -> None:  # same dropout masks and proposal samples for every provider (CUDA's generators too)
-        torch.manual_seed(1000 + len(losses))
+    def __init__(self, case: dict, label: str, steps: int, device: str) -> None:
+        self.label, self.device = label, device
+        self.it = _start(case, label, steps, device)
+        self.losses: list[float] = []
+        self.cuda = torch.device(device).type == "cuda"
+        self.rss0 = None if self.cuda else train_profile.rss_start()
+        self.clock = time.process_time if CLOCK == "cpu" else time.perf_counter
+        self.first_wall = None
 
-    cuda = torch.device(device).type == "cuda"
-    rss0 = None if cuda else train_profile.rss_start()
-    # The step is done (and synced) once its loss is on the host.
-    clock = time.process_time if CLOCK == "cpu" else time.perf_counter
-    times, first_wall = [], None
-    for _ in range(steps):
-        reseed()
-        common.sync(device)
-        t, w = clock(), time.perf_counter()
-        losses.append(next(it).item())
-        times.append(1e3 * (clock() - t))
-        first_wall = first_wall or 1e3 * (time.perf_counter() - w)  # wall: compile workers are other processes
-    if cuda:
-        mem = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak = train_profile.rss_peak()
-        mem = None if rss0 is None or peak is None else peak - rss0
-    out = {"times": times, "first_wall_ms": first_wall, "losses": losses,
-           "mem_mib": None if mem is None else round(mem, 1)}
-    if profile_steps:
-        reseed()
-        out["breakdown"], out["profile"] = train_profile.profile(lambda: next(it).item(), profile_steps, label)
-    it.close()
-    make = PROVIDERS[label]
-    out.update(precision=getattr(make, "precision", "fp32" if label == FP32 else "bf16"),
-               optimizer=getattr(make, "optimizer", None), decision=getattr(make, "decision", ""))
-    return out
+    def reseed(self) -> None:  # same dropout masks and proposal samples for every provider (CUDA's generators too)
+        torch.manual_seed(1000 + len(self.losses))
+
+    def step(self) -> float:
+        self.reseed()
+        common.sync(self.device)
+        t, w = self.clock(), time.perf_counter()
+        self.losses.append(next(self.it).item())  # the step is done (and synced) once its loss is on the host
+        ms = 1e3 * (self.clock() - t)
+        # The first step's wall time: torch.compile's compile workers are other processes.
+        self.first_wall = self.first_wall or 1e3 * (time.perf_counter() - w)
+        return ms
+
+    def finish(self, profile_steps: int = 0) -> dict:
+        if self.cuda:
+            mem = torch.cuda.max_memory_allocated() / 2**20
+        else:
+            peak = train_profile.rss_peak()
+            mem = None if self.rss0 is None or peak is None else peak - self.rss0
+        out = {"first_wall_ms": self.first_wall, "losses": self.losses,
+               "mem_mib": None if mem is None else round(mem, 1)}
+        if profile_steps:
+            self.reseed()
+            out["breakdown"], out["profile"] = train_profile.profile(lambda: next(self.it).item(), profile_steps,
+                                                                     self.label)
+        self.it.close()
+        make = PROVIDERS[self.label]
+        out.update(precision=getattr(make, "precision", "fp32" if self.label == FP32 else "bf16"),
+                   optimizer=getattr(make, "optimizer", None), decision=getattr(make, "decision", ""))
+        return out
 
 
-def _in_process(args: list[str], cache_dir: str | None = None) -> dict:
-    """A worker (``--worker`` ...) in a fresh interpreter: fastops.accelerate changes process-wide state on the
-    CPU (it keeps freed memory in the process), which must not reach the providers measured against it.
-    ``cache_dir``: inductor's cache for this provider (empty at its first run: the first step is a cold
-    compile, as a user's first run is)."""
+def _serve(case: dict, label: str, steps: int, device: str, pin: int | None) -> None:
+    """A provider's worker: a step at each request, pinned to CPU ``pin`` from its first timed step (after its
+    warm-up, so that torch.compile's compile workers still had every CPU), then ``finish``."""
+    prov = _Provider(case, label, steps, device)
+    for req in common.requests():
+        if req["op"] == "step":
+            if req.get("timed") and pin is not None:
+                os.sched_setaffinity(0, {pin})
+            common.reply({"ms": prov.step()})
+        else:
+            common.reply(prov.finish(req.get("profile", 0)))
+            return
+
+
+@contextlib.contextmanager
+def _inductor_cache(cache_dir: str | None):
+    """``TORCHINDUCTOR_CACHE_DIR`` set for the workers started inside: each provider its own inductor cache,
+    empty at its first run, so that its first step is a cold compile, as a user's first run is."""
     env = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if cache_dir is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     try:
-        return common.in_fresh_process(__file__, args)
+        yield
     finally:
         if env is None:
             os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
@@ -241,10 +263,18 @@ def _applies(label: str, case: dict) -> bool:
 
 
 def run_case(model_key: str, labels: list[str], rounds: int, warmup: int, blocks: int, device: str,
-             cache_root: str, profile_steps: int = 0):
-    """Each provider runs in its own process, ``blocks`` times in turn (providers alternate, so load from other
-    processes on a shared machine hits them alike); the first ``warmup`` steps of each run are not timed. The
-    GEMM peak is sampled in the same rounds; the FLOPs of a step are counted once, in a process of their own."""
+             cache_root: str, profile_steps: int = 0, turn: int = 1):
+    """Every provider in a process of its own (fastops.accelerate changes process-wide state on the CPU: it keeps
+    freed memory in the process, which must not reach the providers measured against it), ``blocks`` times. In a
+    block the providers' processes start one after another and take their ``warmup`` untimed steps alone (a cold
+    compile has the machine to itself); then they live side by side and take ``rounds`` turns of ``turn`` steps
+    each, the order rotating each round, so that a slow stretch of the machine hits them all alike (above one step
+    a turn, its first is not timed: it finds the caches as the other providers left them). A process per provider and
+    block, taking turns block by block, had not been enough: one of this VM's two vCPUs runs 2x slower by turns,
+    for seconds to minutes, and a process could sit on the slow one for its whole life (bench_loss.py's
+    docstring): ResNet-50's defaults read 1.14x the torch.compile recipe that way at 1 thread, 1.02x-1.03x this
+    way. At one thread every worker is pinned to the same CPU for its timed steps, for the same reason.
+    The GEMM peak is sampled at every round, pinned alike; the FLOPs of a step are counted once, in a process of their own."""
     case = CASES[model_key](torch.device(device).type == "cuda")
     labels = [x for x in labels if _applies(x, case)]
     losses: dict[str, list[float]] = {}
@@ -252,34 +282,46 @@ def run_case(model_key: str, labels: list[str], rounds: int, warmup: int, blocks
     rerun_diff = {label: 0.0 for label in labels}
     first_ms: dict[str, float] = {}
     mem_mib: dict[str, float] = {}
-    runs = {label: 0 for label in labels}
-
-    def run(label: str) -> list[float]:
-        runs[label] += 1
-        profile = profile_steps if runs[label] == blocks else 0  # the last run profiles after its timed steps
-        cache = os.path.join(cache_root, f"{model_key}-{label}".replace(" ", "_").replace("=", ""))
-        out = _in_process(["--worker", model_key, label, str(rounds + warmup), "--device", device,
-                           "--profile", str(profile), *_THREAD_ARGS], cache)
-        # Same weights, batches, dropout masks and samples in every run; oneDNN's convolutions still differ in
-        # the last bits from run to run, so the runs' agreement is reported, not required.
-        if label in losses:
-            diff = max(abs(a - b) / abs(b) for a, b in zip(out["losses"], losses[label]))
-            rerun_diff[label] = max(rerun_diff[label], diff)
-        else:
-            losses[label], info[label] = out["losses"], out
-        if "breakdown" in out:
-            info[label]["breakdown"], info[label]["profile"] = out["breakdown"], out["profile"]
-        first_ms.setdefault(label, out["first_wall_ms"])  # the first run's: a cold compile for compile providers
-        if out["mem_mib"] is not None:
-            mem_mib[label] = max(mem_mib.get(label, 0.0), out["mem_mib"])
-        return out["times"][warmup:]
-
-    measure = {label: (lambda label=label: run(label)) for label in labels}
-    measure[PEAK] = lambda: _in_process(["--peak", "--device", device, *_THREAD_ARGS])["samples"]
-    samples = common.interleaved(measure, blocks)
-    peak_ms = statistics.median(samples.pop(PEAK))
+    samples: dict[str, list[float]] = {label: [] for label in labels}
+    peak_samples: list[float] = []
+    for block in range(blocks):
+        live = {}
+        for label in labels:
+            cache = os.path.join(cache_root, f"{model_key}-{label}".replace(" ", "_").replace("=", ""))
+            with _inductor_cache(cache):
+                live[label] = common.Live(__file__, ["--serve", model_key, label,
+                                                     str(rounds * turn + warmup + profile_steps), "--device", device,
+                                                     *_THREAD_ARGS])  # fmt: skip
+            for _ in range(warmup):
+                live[label].ask({"op": "step"})
+        peak = common.Live(__file__, ["--peak", "--device", device, *_THREAD_ARGS])
+        for r in range(rounds):
+            peak_samples += peak.ask({"op": "sample"})["samples"]
+            for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+                for k in range(turn):
+                    ms = live[label].ask({"op": "step", "timed": True})["ms"]
+                    if k or turn == 1:
+                        samples[label].append(ms)
+        peak.close()
+        for label, worker in live.items():
+            # The last block profiles after its timed steps.
+            out = worker.ask({"op": "finish", "profile": profile_steps if block == blocks - 1 else 0})
+            worker.close()
+            # Same weights, batches, dropout masks and samples in every block; oneDNN's convolutions still differ
+            # in the last bits from run to run, so the blocks' agreement is reported, not required.
+            if label in losses:
+                diff = max(abs(a - b) / abs(b) for a, b in zip(out["losses"], losses[label]))
+                rerun_diff[label] = max(rerun_diff[label], diff)
+            else:
+                losses[label], info[label] = out["losses"], out
+            if "breakdown" in out:
+                info[label]["breakdown"], info[label]["profile"] = out["breakdown"], out["profile"]
+            first_ms.setdefault(label, out["first_wall_ms"])  # the first block's: a cold compile for compile providers
+            if out["mem_mib"] is not None:
+                mem_mib[label] = max(mem_mib.get(label, 0.0), out["mem_mib"])
+    peak_ms = statistics.median(peak_samples)
     peak = train_profile.gemm_gflops(peak_ms)
-    flops = _in_process(["--flops", model_key, "--device", device])["flops"]
+    flops = common.in_fresh_process(__file__, ["--flops", model_key, "--device", device])["flops"]
     check = loss_check(losses, {k: v["precision"] for k, v in info.items()})
     rows = []
     for label, xs in samples.items():
@@ -319,16 +361,18 @@ def run_case(model_key: str, labels: list[str], rounds: int, warmup: int, blocks
 
 
 def _worker(args, cuda: bool, device: str) -> int:
-    if args.peak:
-        common.reply({"samples": train_profile.gemm_samples(device, time.process_time if CLOCK == "cpu" else None)})
+    if args.peak:  # a sample at each request, taking its turn with the providers
+        for _ in common.requests():
+            common.reply({"samples": train_profile.gemm_samples(device, time.process_time if CLOCK == "cpu" else None,
+                                                                repeats=3)})
     elif args.flops:
         case = CASES[args.flops](cuda)
         torch.manual_seed(0)
         batch = case["batches"](1, torch.Generator().manual_seed(1))[0]
         common.reply({"flops": train_profile.flops_per_step(case["make"](), batch, case["loss"], device)})
     else:
-        model_key, label, steps = args.worker
-        common.reply(run_provider(CASES[model_key](cuda), label, int(steps), device, args.profile))
+        model_key, label, steps = args.serve
+        _serve(CASES[model_key](cuda), label, int(steps), device, args.cpu)
     return 0
 
 
@@ -338,7 +382,11 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="few steps, one run per provider (gpu_check.sh)")
     p.add_argument("--rounds", type=int, default=None, help="timed steps per provider and run (default 6, quick 3)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2, quick 1)")
-    p.add_argument("--blocks", type=int, default=None, help="runs per provider, taking turns (default 2, quick 1)")
+    p.add_argument("--blocks", type=int, default=None,
+                   help="fresh processes per provider, the providers taking turns step by step in each (default 2, "
+                   "quick 1)")
+    p.add_argument("--turn", type=int, default=1, help="steps a provider takes at its turn; above 1 the first "
+                   "is not timed (it finds the caches as the other providers left them)")
     p.add_argument("--models", nargs="*", choices=list(CASES), default=list(CASES))
     p.add_argument("--providers", nargs="*", choices=list(PROVIDERS), default=list(PROVIDERS),
                    help="default all; the fused-loss ones run on the language models only")
@@ -350,7 +398,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads in every process (default: torch's)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="time steps by wall clock, or by the process's CPU time (steadier under load at 1 thread)")
-    p.add_argument("--worker", nargs=3, metavar=("MODEL", "PROVIDER", "STEPS"), help=argparse.SUPPRESS)
+    p.add_argument("--serve", nargs=3, metavar=("MODEL", "PROVIDER", "STEPS"), help=argparse.SUPPRESS)
+    p.add_argument("--cpu", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--peak", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--flops", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -364,21 +413,26 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     _THREAD_ARGS[:] = [f"--threads={torch.get_num_threads()}", f"--clock={CLOCK}"]
-    if args.worker or args.peak or args.flops:
+    if torch.get_num_threads() == 1 and hasattr(os, "sched_getaffinity") and args.cpu is None:
+        _THREAD_ARGS.append(f"--cpu={min(os.sched_getaffinity(0))}")
+    if args.cpu is not None and args.peak:
+        os.sched_setaffinity(0, {args.cpu})
+    if args.serve or args.peak or args.flops:
         return _worker(args, cuda, device)
     rounds = args.rounds or (3 if args.quick else 6)
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     blocks = args.blocks or (1 if args.quick else 2)
+    turn = args.turn
     labels = list(dict.fromkeys(args.providers))
     rows, all_losses, profiles, summary = [], {}, {}, {}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_train_inductor_") as cache_root:
         for key in args.models:
             name = CASES[key](cuda)["name"]
-            print(f"{name} on {common.hardware(device)}: {blocks} x {rounds} timed steps per provider after {warmup} "
-                  "warm-up, one process per run; the first run of each compiles cold", flush=True)  # fmt: skip
+            print(f"{name} on {common.hardware(device)}: {blocks} x {rounds} turns of {turn} steps per provider after "
+                  f"{warmup} warm-up, the providers taking turns; the first block of each compiles cold", flush=True)
             case_rows, losses, case_profiles = run_case(key, labels, rounds, warmup, blocks, device, cache_root,
-                                                        args.profile)
+                                                        args.profile, turn)
             all_losses[name] = losses
             profiles[name] = case_profiles
             first = case_rows[0]
@@ -392,13 +446,13 @@ def main() -> int:
         print(f"LOSS MISMATCH: {r['size']} {r['provider']}: last {LOSS_TAIL} losses {r['loss_check']}")
     load = os.getloadavg()
     meta = {"device": device, "hardware": common.hardware(device), "torch": torch.__version__, "rounds": rounds,
-            "warmup": warmup, "blocks": blocks, "threads": torch.get_num_threads(), "clock": CLOCK,
+            "warmup": warmup, "blocks": blocks, "turn": turn, "threads": torch.get_num_threads(), "clock": CLOCK,
             "loss_tail": LOSS_TAIL,
             "same_recipe_rtol": SAME_RECIPE_RTOL, "bf16_vs_fp32_rtol": BF16_VS_FP32_RTOL, "claims": CLAIMS,
             "targets": summary, "losses": all_losses, "loadavg_at_start": start_load, "loadavg_at_end": load,
             "seconds": round(time.perf_counter() - start), "argv": sys.argv[1:],
-            "note": "one process per provider and run, runs taking turns; the CPU may be shared with other "
-                    "processes (see loadavg_*)"}  # fmt: skip
+            "note": "one process per provider and block, taking turns step by step; the CPU may be shared with "
+                    "other processes (see loadavg_*)"}  # fmt: skip
     name = args.out or f"train_{torch.device(device).type}"
     base = common.write_results(name, rows, meta)
     print(f"load average at the start {start_load[0]:.2f}, at the end {load[0]:.2f} ({os.cpu_count()} cores: "

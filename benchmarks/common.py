@@ -13,6 +13,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -374,8 +375,45 @@ def in_fresh_process(script: str, args: list[str]) -> dict:
 
 
 def reply(out: dict) -> None:
-    """The worker's side of ``in_fresh_process``."""
+    """The worker's side of ``in_fresh_process`` and ``Live``."""
     print(_REPLY + json.dumps(out), flush=True)
+
+
+class Live:
+    """``python script *args`` kept running: ``ask(request)`` writes one JSON line to its stdin and returns the
+    next ``reply`` it prints, so that providers in processes of their own can take turns request by request
+    (``requests`` is the worker's side). Its stderr goes to a temporary file, quoted when it fails."""
+
+    def __init__(self, script: str, args: list[str]) -> None:
+        self.args = args
+        self.err = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(script), *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.err, text=True)  # fmt: skip
+
+    def ask(self, request: dict) -> dict:
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            for line in self.proc.stdout:
+                if line.startswith(_REPLY):
+                    return json.loads(line[len(_REPLY) :])
+        except BrokenPipeError:
+            pass
+        self.proc.wait()
+        self.err.seek(0)
+        code, err = self.proc.returncode, self.err.read()[-4000:]
+        raise RuntimeError(f"worker {' '.join(self.args)} exited with {code}:\n{err}")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+        self.err.close()
+
+
+def requests():
+    """The worker's side of ``Live``: each request, until the parent closes the pipe."""
+    for line in sys.stdin:
+        yield json.loads(line)
 
 
 def profile_steps(step: Callable[[], object], steps: int, device: str, title: str, out) -> None:

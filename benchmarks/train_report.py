@@ -21,7 +21,6 @@ F_EAGER, F_COMPILE = "fastops compile=F fused=F", "fastops compile=T fused=F"
 F_FUSED, F_BOTH = "fastops compile=F fused=T", "fastops compile=T fused=T"
 F_NCHW = "fastops compile=F channels_last=F"  # conv nets: the layout left as it is (FASTOPS_CHANNELS_LAST=0)
 AMP_NOISE = "torch AMP recipe, params +-1 bf16 rounding"
-PEAK = "bf16 GEMM peak"  # not a provider: the matmul whose GFLOP/s MFU is counted against, in the same rounds
 SAME_RECIPE_RTOL = 2e-3  # a bf16 provider against torch's own bf16 autocast recipe
 NOISE_FACTOR = 2  # or, when AMP_NOISE ran, twice the recipe's own spread from one bf16 rounding of the params
 BF16_VS_FP32_RTOL = 5e-2  # torch's bf16 recipe against fp32
