@@ -223,6 +223,9 @@ def _setup_context(ctx, inputs, output):
     # recomputed by the backward op; fastops.linear_cross_entropy sets the flags from requires_grad.
     ctx.missing = (need[_X] and not fx, need[_W] and not fw, ctx.has_bias and need[_B] and not fb)
     _, gx, gw, gb = output
+    # gx, gw and gb are only ever read by this backward: without this autograd would hand it zeros for them, a fill
+    # of V x H for gw (28.8 ms of a 360 ms call at N1024 H2048 V32000 bf16, 2 threads).
+    ctx.set_materialize_grads(False)
     ctx.recompute = not ctx.fused or any(ctx.missing)
     saved = (gx, gw, gb) if ctx.fused else ()
     if ctx.recompute:
@@ -235,6 +238,8 @@ def _backward(ctx, grad_loss, _gx, _gw, _gb):
     want = (need[_X], need[_W], ctx.has_bias and need[_B])
     saved = ctx.saved_tensors
     out = [None, None, None]
+    if grad_loss is None:  # the loss itself was not used (grads are not materialized): nothing flows back
+        return (None,) * 12
     if ctx.fused:
         # grad_loss == 1 (a CPU loss.backward()) hands the forward's gradients over as they are: autograd then
         # keeps them as .grad without a copy. Not while tracing (a value test) nor on a GPU (a host sync).

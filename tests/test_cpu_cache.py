@@ -90,8 +90,8 @@ print("ok")
 def test_fused_loss_workspace_comes_from_the_cache():
     # The fused loss's own buffers (bf16 logits 1024 x 32000, 62.5 MiB; the weight's H x V copy, 15.6 MiB) are
     # mapped afresh at every call on huge pages, and come from the cache once fastops.accelerate installed it.
-    # The second call's other large blocks hit the cache either way (2 hits with the buffers on huge pages of their
-    # own, measured); the two buffers make it 4.
+    # The second call's other large block hits the cache either way (1 hit with the buffers on huge pages of their
+    # own, measured); the two buffers make it 3.
     out = _run(
         """
 import torch, fastops
@@ -110,7 +110,7 @@ call()
 print(_C.cpp.cpu_cache_stats()["hits"] - hits)
 """
     )
-    assert int(out) >= 4, out
+    assert int(out) >= 3, out
 
 
 def test_threads_share_the_cache_safely():
