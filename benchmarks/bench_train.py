@@ -233,6 +233,7 @@ def _serve(case: dict, label: str, steps: int, device: str, pin: int | None) -> 
         if req["op"] == "step":
             if req.get("timed") and pin is not None:
                 os.sched_setaffinity(0, {pin})
+                pin = None  # pinned: once is enough
             common.reply({"ms": prov.step()})
         else:
             common.reply(prov.finish(req.get("profile", 0)))
@@ -273,8 +274,8 @@ def run_case(model_key: str, labels: list[str], rounds: int, warmup: int, blocks
     block, taking turns block by block, had not been enough: one of this VM's two vCPUs runs 2x slower by turns,
     for seconds to minutes, and a process could sit on the slow one for its whole life (bench_loss.py's
     docstring): ResNet-50's defaults read 1.14x the torch.compile recipe that way at 1 thread, 1.02x-1.03x this
-    way. At one thread every worker is pinned to the same CPU for its timed steps, for the same reason.
-    The GEMM peak is sampled at every round, pinned alike; the FLOPs of a step are counted once, in a process of their own."""
+    way. At one thread every worker is pinned to the same CPU for its timed steps, for the same reason. The GEMM
+    peak is sampled at every round, pinned alike; the FLOPs of a step are counted once, in a process of their own."""
     case = CASES[model_key](torch.device(device).type == "cuda")
     labels = [x for x in labels if _applies(x, case)]
     losses: dict[str, list[float]] = {}
@@ -294,15 +295,15 @@ def run_case(model_key: str, labels: list[str], rounds: int, warmup: int, blocks
                                                      *_THREAD_ARGS])  # fmt: skip
             for _ in range(warmup):
                 live[label].ask({"op": "step"})
-        peak = common.Live(__file__, ["--peak", "--device", device, *_THREAD_ARGS])
+        sampler = common.Live(__file__, ["--peak", "--device", device, *_THREAD_ARGS])
         for r in range(rounds):
-            peak_samples += peak.ask({"op": "sample"})["samples"]
+            peak_samples += sampler.ask({"op": "sample"})["samples"]
             for label in labels[r % len(labels):] + labels[: r % len(labels)]:
                 for k in range(turn):
                     ms = live[label].ask({"op": "step", "timed": True})["ms"]
                     if k or turn == 1:
                         samples[label].append(ms)
-        peak.close()
+        sampler.close()
         for label, worker in live.items():
             # The last block profiles after its timed steps.
             out = worker.ask({"op": "finish", "profile": profile_steps if block == blocks - 1 else 0})
@@ -362,6 +363,8 @@ def run_case(model_key: str, labels: list[str], rounds: int, warmup: int, blocks
 
 def _worker(args, cuda: bool, device: str) -> int:
     if args.peak:  # a sample at each request, taking its turn with the providers
+        if args.cpu is not None:
+            os.sched_setaffinity(0, {args.cpu})
         for _ in common.requests():
             common.reply({"samples": train_profile.gemm_samples(device, time.process_time if CLOCK == "cpu" else None,
                                                                 repeats=3)})
@@ -415,8 +418,6 @@ def main() -> int:
     _THREAD_ARGS[:] = [f"--threads={torch.get_num_threads()}", f"--clock={CLOCK}"]
     if torch.get_num_threads() == 1 and hasattr(os, "sched_getaffinity") and args.cpu is None:
         _THREAD_ARGS.append(f"--cpu={min(os.sched_getaffinity(0))}")
-    if args.cpu is not None and args.peak:
-        os.sched_setaffinity(0, {args.cpu})
     if args.serve or args.peak or args.flops:
         return _worker(args, cuda, device)
     rounds = args.rounds or (3 if args.quick else 6)
