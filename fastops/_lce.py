@@ -235,12 +235,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_loss, _gx, _gw, _gb):
     need = ctx.needs_input_grad
-    want = (need[_X], need[_W], ctx.has_bias and need[_B])
+    # No grad_loss (grads are not materialized): the loss itself was not used, so nothing flows back.
+    want = (need[_X], need[_W], ctx.has_bias and need[_B]) if grad_loss is not None else (False, False, False)
     saved = ctx.saved_tensors
     out = [None, None, None]
-    if grad_loss is None:  # the loss itself was not used (grads are not materialized): nothing flows back
-        return (None,) * 12
-    if ctx.fused:
+    if ctx.fused and any(want):
         # grad_loss == 1 (a CPU loss.backward()) hands the forward's gradients over as they are: autograd then
         # keeps them as .grad without a copy. Not while tracing (a value test) nor on a GPU (a host sync).
         unit = not torch.compiler.is_compiling() and grad_loss.device.type == "cpu" and bool(grad_loss == 1)
