@@ -15,8 +15,8 @@ would hold more than half of the whole batch's logits: then in one chunk. Measur
 thread, bf16, every row labeled, load 5-6 (benchmarks/bench_loss_chunks.py, results/loss_chunks.csv): at N=4096,
 H=256, V=32000 chunks of 512 rows take 0.87x one chunk's time (1024: 0.81x, 256: 1.13x) and hold 80 MiB instead of
 266 (eager 732: 0.11x), frozen head 0.93x the time, 50 MiB instead of 271; at N=1024 the trainable head's one chunk
-stays (chunks of 512: 1.12x the time for the same 80 MiB, eager 171), the frozen head's chunks of 512 take 0.97x
-the time and 49 MiB instead of 82 (eager 187). Where N is under about 4H + 1024 with a trainable head the
+stays (chunks of 512: 1.12x the time for the same 80 MiB, eager 171). A frozen head has no accumulator and chunks
+of FROZEN_CHUNK_ROWS (below). Where N is under about 4H + 1024 with a trainable head the
 accumulator alone outweighs what chunking saves, so no chunking meets "15% of eager's memory" there; a caller can
 still trade speed for memory with ``chunk_rows``.
 
@@ -43,17 +43,27 @@ from ._specs.linear_ce import MEAN, NONE, OP, REDUCTIONS, loss_dtype
 CHUNK_ROWS = 512
 
 
+# Without grad_weight (a frozen head, or no gradient at all) no matmul sums over a chunk's rows and nothing
+# accumulates across chunks, so smaller chunks cost only their matmuls' shorter M: measured on the 2-core Xeon (AMX),
+# 1 thread pinned, bf16, frozen head, every row labeled, N=1024 (median of 7): chunks of 256 rows 1.07x-1.12x the
+# time of 512 (H=256 V=128256, H=1024 V=32000), 128 rows 1.27x-1.41x; at N=4096 H=256 V=32000 256 rows took 0.82x.
+# 256 rows hold a quarter of N=1024's logits: within 15% of eager's peak memory (about 6 bytes a logit).
+FROZEN_CHUNK_ROWS = 256
+
+
 def chunk_rows(m: int, h: int, v: int, itemsize: int, grad_weight: bool) -> int:
     """Rows of logits held at once for ``m`` labeled rows of a (V=v, H=h) head (the op's choice for chunk_rows=0):
-    equal chunks of at most CHUNK_ROWS, or all rows in one where chunks would not hold at most half of their logits
-    (several chunks of bf16/fp16 add grad_weight up in a 4VH-byte fp32 accumulator)."""
-    if m <= CHUNK_ROWS:
+    equal chunks of at most CHUNK_ROWS (FROZEN_CHUNK_ROWS without grad_weight), or all rows in one where chunks
+    would not hold at most half of their logits (several chunks of bf16/fp16 add grad_weight up in a 4VH-byte fp32
+    accumulator)."""
+    cap = CHUNK_ROWS if grad_weight else FROZEN_CHUNK_ROWS
+    if m <= cap:
         return max(m, 1)
     row_bytes = max(v, 1) * itemsize
     acc = 4 * v * h if grad_weight and itemsize < 4 else 0
-    if 2 * (acc + CHUNK_ROWS * row_bytes) > m * row_bytes:
+    if 2 * (acc + cap * row_bytes) > m * row_bytes:
         return m
-    chunks = -(-m // CHUNK_ROWS)
+    chunks = -(-m // cap)
     return -(-m // chunks)  # chunks of equal size: no short last one
 
 
