@@ -351,22 +351,25 @@ def report(a) -> None:
         lines.append(f"- {target}: met {len(t['met'])}, not met {len(t['not met'])}, ruled out {len(t['ruled out'])}")
         lines += [f"  - {k}: {', '.join(t[k])}" for k in ("not met", "ruled out") if t[k]]
     lines += ["", "Per point (ms: see the CSV; mem: MiB; floor: the gradients the call returns; fastops' design: "
-              "its logits, 2 B each, the weight's copy where rows >= 4 H, the fp32 accumulator where chunked).", "",
+              "its logits, 2 B each, the weight's copy where rows >= 4 H and the head is trained, the fp32 accumulator "
+              "where chunked).", "",
               "| threads | N | H | V | labeled | head | x best peer | x eager | x frozen | eager / floor | "
-              "fastops % peak | mem fastops | mem eager | mem floor | fastops design |", "|" + "---|" * 15]
+              "fastops % peak | mem fastops | mem eager | mem fastops / eager | mem floor | fastops design |",
+              "|" + "---|" * 16]
     from fastops._lce import chunk_rows
 
     for r in rows:
         m = r["n"] if r["labeled_pct"] == 100 else round(r["n"] * r["labeled_pct"] / 100)
         n, h, v, trained = int(r["n"]), int(r["h"]), int(r["v"]), not r["frozen_head"]
         rows_held = chunk_rows(m, h, v, 2, trained)
-        design = 2 * rows_held * v + (2 * v * h if m >= 4 * h else 0) + (2 * v * h if trained else 0)
+        design = 2 * rows_held * v + (2 * v * h if trained and m >= 4 * h else 0) + (2 * v * h if trained else 0)
         design += 4 * v * h if trained and rows_held < m else 0
         cells = [f"{r['threads']:.0f}", f"{r['n']:.0f}", f"{r['h']:.0f}", f"{r['v']:.0f}", f"{r['labeled_pct']:.0f}%",
                  "frozen" if r["frozen_head"] else "trained", f"{r['speedup_best_peer']:.2f}", f"{r['speedup_eager']:.2f}",
                  f"{r['frozen_speedup']:.2f}" if r["frozen_speedup"] else "", f"{r['ms_eager'] / r['floor_ms']:.2f}",
                  f"{r['fastops_pct_peak']:.0f}", *(f"{r[k]:.0f}" if r[k] is not None else "" for k in
-                 ("mem_fastops_mib", "mem_eager_mib", "mem_floor_mib")), f"{(design + 2 * n * h) / 2**20:.0f}"]
+                 ("mem_fastops_mib", "mem_eager_mib")), f"{r['mem_vs_eager']:.3f}" if r["mem_vs_eager"] else "",
+                 f"{r['mem_floor_mib']:.0f}", f"{(design + 2 * n * h) / 2**20:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -78,6 +78,21 @@ def test_the_backward_builds_nothing_the_size_of_the_weight(backend):
     assert built == [] and w.grad is not None
 
 
+def test_a_frozen_heads_own_plan_chunks_and_agrees(backend):
+    """With the op's own plan (chunk_rows=0) a frozen head goes in chunks of at most FROZEN_CHUNK_ROWS where a
+    trained head of the same shape keeps one (it has no grad_weight to accumulate); x's gradient is torch's."""
+    from fastops import _lce
+
+    n, h, v = 700, 8, 70
+    assert _lce.chunk_rows(n, h, v, 4, False) <= _lce.FROZEN_CHUNK_ROWS < _lce.chunk_rows(n, h, v, 4, True) == n
+    x, w, b, t = spec.tensors(n, h, v, labeled=1.0, seed=3)
+    mine, ref = _leaves(x, w, b, (True, False, False)), _leaves(x, w, b, (True, False, False))
+    fastops.linear_cross_entropy(mine[0], mine[1], t, bias=mine[2], label_smoothing=0.1).backward()
+    _torch(ref[0], ref[1], t, ref[2], label_smoothing=0.1).backward()
+    assert mine[1].grad is None
+    torch.testing.assert_close(mine[0].grad, ref[0].grad, rtol=1e-5, atol=1e-6)
+
+
 def test_gradient_flag_off_but_required_is_recomputed(backend):
     """A direct call of the op with a flag off while the tensor requires grad still gives it its gradient (the
     backward op recomputes it); fastops.linear_cross_entropy always sets the flags from requires_grad."""
