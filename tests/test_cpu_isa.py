@@ -90,7 +90,7 @@ cases = [edge_case(1.0), edge_case(3.7e-3), edge_case(2.0**-70), lowp_inputs([40
          bf16_case(0.9), bf16_case(0.3, seed=-(2**40) + 7),
          bf16_case(0.9, dtype=torch.float16, master=True, weight_decay=0.1, decoupled=False, maximize=True,
                    scale=torch.tensor(1024.0)),
-         bf16_case(0.9, dtype=torch.bfloat16, weight_decay=0.1),
+         bf16_case(0.9, dtype=torch.bfloat16, weight_decay=0.1), bf16_case(0.9, maximize=True),
          bf16_case(0.5, shapes=[(70, 90), (33,), (300, 5), (2,)])]
 outs = []
 for want in cases:
