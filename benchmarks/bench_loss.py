@@ -352,18 +352,20 @@ def report(a) -> None:
         lines += [f"  - {k}: {', '.join(t[k])}" for k in ("not met", "ruled out") if t[k]]
     lines += ["", "Per point (ms: see the CSV; mem: MiB; floor: the gradients the call returns; fastops' design: "
               "its logits, 2 B each, the weight's copy where rows >= 4 H and the head is trained, the fp32 accumulator "
-              "where chunked).", "",
+              "where chunked; in vocabulary blocks, N x cols logits and an fp32 N x H grad_x).", "",
               "| threads | N | H | V | labeled | head | x best peer | x eager | x frozen | eager / floor | "
               "fastops % peak | mem fastops | mem eager | mem fastops / eager | mem floor | fastops design |",
               "|" + "---|" * 16]
-    from fastops._lce import chunk_rows
+    from fastops._lce import chunk_rows, vocab_block
 
     for r in rows:
         m = r["n"] if r["labeled_pct"] == 100 else round(r["n"] * r["labeled_pct"] / 100)
         n, h, v, trained = int(r["n"]), int(r["h"]), int(r["v"]), not r["frozen_head"]
-        rows_held = chunk_rows(m, h, v, 2, trained)
+        rows_held, cols = chunk_rows(m, h, v, 2, trained), vocab_block(m, h, v, 2, trained)
         design = 2 * rows_held * v + (2 * v * h if trained and m >= 4 * h else 0) + (2 * v * h if trained else 0)
         design += 4 * v * h if trained and rows_held < m else 0
+        if cols:  # the C++ CPU backend's vocabulary blocks (what bench_loss measures)
+            design = 2 * m * cols + 4 * m * h + 2 * v * h
         cells = [f"{r['threads']:.0f}", f"{r['n']:.0f}", f"{r['h']:.0f}", f"{r['v']:.0f}", f"{r['labeled_pct']:.0f}%",
                  "frozen" if r["frozen_head"] else "trained", f"{r['speedup_best_peer']:.2f}", f"{r['speedup_eager']:.2f}",
                  f"{r['frozen_speedup']:.2f}" if r["frozen_speedup"] else "", f"{r['ms_eager'] / r['floor_ms']:.2f}",

@@ -48,6 +48,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::call_guard<py::gil_scoped_release>());
   cpp.def("linear_ce_chunk_rows", &fastops::ce_chunk_rows, py::arg("m"), py::arg("h"), py::arg("v"),
           py::arg("itemsize"), py::arg("grad_weight"));
+  cpp.def("linear_ce_vocab_block", &fastops::ce_vocab_block, py::arg("m"), py::arg("h"), py::arg("v"),
+          py::arg("itemsize"), py::arg("grad_weight"));
   cuda_math.def("linear_cross_entropy", &fastops::cuda_host::linear_cross_entropy,
                 py::call_guard<py::gil_scoped_release>());
   cuda_math.def("linear_cross_entropy_backward", &fastops::cuda_host::linear_cross_entropy_backward,

@@ -20,21 +20,38 @@ enum : int64_t { kCeNone = 0, kCeMean = 1, kCeSum = 2 };
 // with `with_grad` the row overwritten by the gradient of loss * scale * row_grad[row] (row_grad undefined: 1).
 using CeRows = std::function<void(const at::Tensor& buf, const at::Tensor& target, const at::Tensor& row_grad,
                                   double scale, double eps, bool with_grad, const at::Tensor& loss)>;
-// acc (V x H, fp32) = dl^T @ x (+ acc unless first), dl and x in bf16/fp16, summed in fp32 inside the matmul.
-// Returns false where the backend has no such matmul for these tensors (the driver then adds bf16 products).
-using CeAccumulate = std::function<bool(const at::Tensor& acc, const at::Tensor& dl, const at::Tensor& x,
+// acc (fp32) = a @ b (+ acc unless first), a and b bf16/fp16 matrices (a may be a transposed view), summed in fp32
+// inside the matmul. Returns false where the backend has no such matmul for these tensors (the driver then adds
+// bf16 products).
+using CeAccumulate = std::function<bool(const at::Tensor& acc, const at::Tensor& a, const at::Tensor& b,
                                         bool first)>;
+// The two row passes of a vocabulary block `z` (rows x vb, contiguous; the columns v0 .. v0 + vb of each row), for
+// the driver's vocabulary blocks (ce_vocab_block): block_stats folds it into each row's running max, sum of exps
+// against that max, sum of logits and target logit (fp32 vectors of the rows); block_grad overwrites it by the
+// gradient of loss * scale * row_grad[row] (row_grad undefined: 1), given each row's log-sum-exp `lse`.
+using CeBlockStats = std::function<void(const at::Tensor& z, int64_t v0, const at::Tensor& target,
+                                        const at::Tensor& mx, const at::Tensor& s, const at::Tensor& zs,
+                                        const at::Tensor& zt)>;
+using CeBlockGrad = std::function<void(const at::Tensor& z, int64_t v0, int64_t v, const at::Tensor& target,
+                                       const at::Tensor& row_grad, double scale, double eps, const at::Tensor& lse)>;
 
 struct CeBackend {
   CeRows rows;
   CeAccumulate accumulate;  // may be empty
   bool rows_take_half;      // the row pass reads fp16 buffers itself (else they are widened to fp32 first)
+  CeBlockStats block_stats = {};  // both empty: no vocabulary blocks on this backend
+  CeBlockGrad block_grad = {};
 };
 
 // The rows a chunk holds: equal chunks of at most 512 rows, or all labeled rows in one where those chunks and the
 // fp32 grad_weight accumulator they need (4VH bytes, bf16/fp16 with a trainable head) would hold more than half of
 // the whole batch's logits. fastops/_lce.py's chunk_rows() is the same function (measured there).
 int64_t ce_chunk_rows(int64_t m, int64_t h, int64_t v, int64_t itemsize, bool grad_weight);
+
+// The columns of a vocabulary block where a backend with block passes goes through the vocabulary instead (a
+// fourth matmul: the logits once for the log-sum-exp, once more for the gradients), or 0 for chunks of rows.
+// fastops/_lce.py's vocab_block() is the same function (measured there).
+int64_t ce_vocab_block(int64_t m, int64_t h, int64_t v, int64_t itemsize, bool grad_weight);
 
 // The op's arguments in the schemas' order (fastops/_specs/linear_ce.py; the backward takes grad_loss first), written
 // once for the driver and every backend's entry points.

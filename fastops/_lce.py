@@ -27,6 +27,9 @@ head (weight.requires_grad False) skips grad_weight's matmul, a frozen x grad_x'
 know each row's incoming gradient in the forward, so its backward (``linear_cross_entropy_backward``) recomputes
 the logits chunk by chunk.
 
+With a trainable bf16 head and few rows per hidden unit the C++ CPU backend goes through the vocabulary in blocks
+instead (``vocab_block`` below): four matmuls, but neither the fp32 V x H accumulator nor the weight's copy.
+
 The C++ backends (CPU, CUDA) run csrc/linear_ce.h's driver; the reference and the Triton backend run ``forward``
 and ``backward`` below with their own row pass (``rows``).
 """
@@ -65,6 +68,38 @@ def chunk_rows(m: int, h: int, v: int, itemsize: int, grad_weight: bool) -> int:
         return m
     chunks = -(-m // cap)
     return -(-m // chunks)  # chunks of equal size: no short last one
+
+
+# Vocabulary blocks (the C++ CPU backend: csrc/cpu/linear_ce.cpp's ce_vocab_block() is this function). With a
+# trainable head at few rows per hidden unit, chunks of rows cannot hold little: their fp32 grad_weight accumulator
+# (4VH bytes) alone is a fifth of eager's peak at N = 1024, H = 256 (eager holds about 5 bytes a logit), and the
+# weight's copy and a chunk's logits come on top: 0.46x-0.48x eager's at V 8000-151936 (results/loss_frozen256.md).
+# Going through the vocabulary instead holds N x cols logits (2 MiB) and an fp32 N x H grad_x, and writes
+# grad_weight block by block with all N rows as its inner dimension, at the price of a fourth matmul (the logits
+# again, for the gradients once each row's log-sum-exp is known). So blocks where chunks of rows would hold more than
+# 3/8 of the batch's bf16 logits (about 15% of eager's peak), at most VOCAB_BLOCK_MAX_HIDDEN wide. Measured on the
+# 2-core Xeon (AMX), bf16, every row labeled, forward + backward, blocks against chunks of 512 rows in one process
+# (a noisy stretch of the VM; medians of 5-7): N = 1024, H = 256, V = 32000 0.93x-1.09x the time at 1 and 2 threads,
+# V = 128256 0.72x; N = 2048, H = 256 1.25x (1 thread) and 1.08x (2 threads); at H = 512 1.05x-1.30x, where the
+# fourth matmul is a larger share: not taken there. The extra memory at N = 1024, H = 256, V = 128256: 62.6 MiB (the
+# bf16 grad_weight itself) against chunks' 378.6.
+VOCAB_BLOCK_MAX_HIDDEN = 256
+VOCAB_BLOCK_ELEMS = 1 << 20
+VOCAB_BLOCK_COLS = (256, 4096)
+
+
+def vocab_block(m: int, h: int, v: int, itemsize: int, grad_weight: bool) -> int:
+    """Columns of a vocabulary block where the C++ CPU backend goes through the vocabulary (bf16, a trainable head,
+    the op's own plan), or 0 for chunks of rows (``chunk_rows``)."""
+    if not grad_weight or itemsize != 2 or h > VOCAB_BLOCK_MAX_HIDDEN or m < 1:
+        return 0
+    rows = chunk_rows(m, h, v, itemsize, True)
+    held = rows * v * itemsize + (4 * v * h if rows < m else 0) + (2 * v * h if m >= 4 * h else 0)
+    if 8 * held <= 3 * m * v * itemsize:
+        return 0
+    lo, hi = VOCAB_BLOCK_COLS
+    cols = min(max(VOCAB_BLOCK_ELEMS // m // 64 * 64, lo), hi)
+    return cols if cols < v else 0
 
 
 def reference_rows(buf, target, row_grad, scale, eps, with_grad, loss):

@@ -182,6 +182,46 @@ def test_bf16_parity_one_chunk(name, reduction):
         test_bf16_parity(name, reduction, 0.1, chunk_rows=0, labeled=1.0)
 
 
+def _matmuls(fn) -> int:
+    from torch.profiler import profile
+
+    with profile() as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key in ("aten::mm", "aten::addmm"))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_bf16_vocabulary_blocks(reduction, label_smoothing):
+    """A trainable bf16 head at few rows per hidden unit: the C++ CPU backend's own plan goes through the vocabulary
+    in blocks (the last one short; the logits twice, grad_weight a block at a time over all rows, grad_x summed in
+    fp32) and agrees with torch within the bounds the chunks of rows meet."""
+    x, w, b, t = spec.tensors(300, 64, 9000, torch.bfloat16, scale=2.0, labeled=0.8)
+    m = int((t != -100).sum())
+    cols = _lce.vocab_block(m, 64, 9000, 2, True)
+    assert 0 < cols < 9000 and 9000 % cols, cols
+    with serve("cpp"):
+        got = _run(_fast, x, w, b, t, chunk_rows=0, reduction=reduction, label_smoothing=label_smoothing)
+        # The blocks ran: 2 logits matmuls and a grad_weight one a block (grad_x's sums are MKL's, not aten's).
+        blocks = -(-9000 // cols)
+        assert _matmuls(lambda: _run(_fast, x, w, b, t, chunk_rows=0, reduction=reduction)) >= 3 * blocks
+    ref = _run(_torch, x, w, b, t, reduction=reduction, label_smoothing=label_smoothing)
+    _assert_bf16(got, ref, x, w, b, t, reduction, label_smoothing)
+
+
+def test_bf16_vocabulary_blocks_with_x_frozen():
+    """Blocks without grad_x (a frozen x): grad_weight and grad_bias only, still torch's."""
+    x, w, b, t = spec.tensors(300, 64, 9000, torch.bfloat16, scale=2.0, labeled=1.0, seed=5)
+    mine = [w.clone().requires_grad_(), b.clone().requires_grad_()]
+    ref = [w.clone().requires_grad_(), b.clone().requires_grad_()]
+    with serve("cpp"):
+        fastops.linear_cross_entropy(x, mine[0], t, bias=mine[1], label_smoothing=0.1).backward()
+    _torch(x, ref[0], t, ref[1], label_smoothing=0.1).backward()
+    zmax = float(F.linear(x, w, b).float().abs().max())
+    for a, r in zip(mine, ref):
+        assert rel_err(a.grad.float(), r.grad.float()) <= (4 + 2 * zmax) * U_BF16 / 2
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_all_rows_ignored_match_torch(backend, reduction):
     x, w, b, t = spec.tensors(10, 8, 30)
@@ -248,14 +288,16 @@ def test_fp16_sums_in_fp32_where_torch_overflows(backend):
 
 
 def test_chunk_plan_is_one_function():
-    """fastops/_lce.py's chunk_rows() and csrc/cpu/linear_ce.cpp's ce_chunk_rows() choose alike."""
-    plan = _backend._C.cpp.linear_ce_chunk_rows
+    """fastops/_lce.py's chunk_rows() and vocab_block() and csrc/cpu/linear_ce.cpp's ce_chunk_rows() and
+    ce_vocab_block() choose alike."""
+    plan, blocks = _backend._C.cpp.linear_ce_chunk_rows, _backend._C.cpp.linear_ce_vocab_block
     for m in (1, 7, 1024, 4096, 16384, 100_000):
         for h in (8, 256, 2048):
             for v in (1, 2, 32000, 151_936, 262_144):
                 for itemsize in (2, 4, 8):
                     for gw in (False, True):
                         assert plan(m, h, v, itemsize, gw) == _lce.chunk_rows(m, h, v, itemsize, gw), (m, h, v)
+                        assert blocks(m, h, v, itemsize, gw) == _lce.vocab_block(m, h, v, itemsize, gw), (m, h, v)
 
 
 @pytest.mark.parametrize("capability", ["default", "avx2"])
@@ -270,6 +312,7 @@ def test_cpp_row_pass_of_every_isa(capability):
         "    T._assert_fp32(x, w, b, t, reduction='mean', label_smoothing=0.1)\n"
         "    T._assert_fp32(x, w, b, t, reduction='none')\n"
         "    T.test_bf16_parity('cpp', 'mean', 0.1)\n"
+        "T.test_bf16_vocabulary_blocks('none', 0.1)\n"
     )
     env = {**os.environ, "FASTOPS_CPU_CAPABILITY": capability}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -112,10 +112,74 @@ void ce_rows(void* logits, Dtype dt, int64_t v, const int64_t* target, const flo
   delete[] scratch;
 }
 
+// One row of a vocabulary block folded into the row's running statistics (CeKernels::block_stats): a pass for the
+// block's max and sum, a pass for its exps against the new max, the old sum rescaled to it once.
+template <typename T>
+void ce_block_row_stats(const T* z, int64_t vb, int64_t t, float* mx, float* s, float* zs, float* zt) {
+  float bm = -__builtin_inff();
+  float bsum = 0.0f;
+#pragma omp simd reduction(max : bm) reduction(+ : bsum)
+  for (int64_t j = 0; j < vb; ++j) {
+    const float a = ce_load(z, j);
+    bm = a > bm ? a : bm;
+    bsum += a;
+  }
+  const float m = bm > *mx ? bm : *mx;
+  float e = 0.0f;
+#pragma omp simd reduction(+ : e)
+  for (int64_t j = 0; j < vb; ++j) {
+    e += ce_exp(ce_load(z, j) - m);
+  }
+  *s = *s * ce_exp(*mx - m) + e;  // the first block: *s = 0 (ce_exp clamps the -inf)
+  *mx = m;
+  *zs += bsum;
+  if (t >= 0 && t < vb) *zt = ce_load(z, t);
+}
+
+// One row of a vocabulary block overwritten by its gradient, c (exp(z - lse) - eps / V), less c (1 - eps) at the
+// target: ce_row's formula with the row's log-sum-exp from the statistics pass.
+template <typename T>
+void ce_block_row_grad(T* z, int64_t vb, int64_t t, float lse, float c, float eps, float eps_v) {
+  const float zt = t >= 0 && t < vb ? ce_load(z, t) : 0.0f;
+  const float off = c * eps_v;
+#pragma omp simd
+  for (int64_t j = 0; j < vb; ++j) {
+    z[j] = ce_store<T>(fmadd(ce_exp(ce_load(z, j) - lse), c, -off));
+  }
+  if (t >= 0 && t < vb) z[t] = ce_store<T>(c * (ce_exp(zt - lse) - eps_v - (1.0f - eps)));
+}
+
+void ce_block_stats(const void* z, Dtype dt, int64_t vb, int64_t v0, const int64_t* target, float* mx, float* s,
+                    float* zs, float* zt, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    if (dt == Dtype::kFloat) {
+      ce_block_row_stats(static_cast<const float*>(z) + i * vb, vb, target[i] - v0, mx + i, s + i, zs + i, zt + i);
+    } else {
+      ce_block_row_stats(static_cast<const uint16_t*>(z) + i * vb, vb, target[i] - v0, mx + i, s + i, zs + i,
+                         zt + i);
+    }
+  }
+}
+
+void ce_block_grad(void* z, Dtype dt, int64_t vb, int64_t v0, int64_t v, const int64_t* target,
+                   const float* row_grad, float scale, float eps, const float* lse, int64_t begin, int64_t end) {
+  const float eps_v = eps / float(v);
+  for (int64_t i = begin; i < end; ++i) {
+    const float c = row_grad != nullptr ? scale * row_grad[i] : scale;
+    if (dt == Dtype::kFloat) {
+      ce_block_row_grad(static_cast<float*>(z) + i * vb, vb, target[i] - v0, lse[i], c, eps, eps_v);
+    } else {
+      ce_block_row_grad(static_cast<uint16_t*>(z) + i * vb, vb, target[i] - v0, lse[i], c, eps, eps_v);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace FASTOPS_ISA_NS
 
-extern const CeKernels FASTOPS_CE_CAT(kCe_, FASTOPS_ISA_NS) = {FASTOPS_ISA_NAME, &FASTOPS_ISA_NS::ce_rows};
+extern const CeKernels FASTOPS_CE_CAT(kCe_, FASTOPS_ISA_NS) = {FASTOPS_ISA_NAME, &FASTOPS_ISA_NS::ce_rows,
+                                                               &FASTOPS_ISA_NS::ce_block_stats,
+                                                               &FASTOPS_ISA_NS::ce_block_grad};
 
 }  // namespace cpu
 }  // namespace fastops

@@ -17,6 +17,16 @@ struct CeKernels {
   // in place by the gradient of loss[i] * scale * (row_grad ? row_grad[i] : 1) with respect to its logits.
   void (*rows)(void* logits, Dtype dt, int64_t v, const int64_t* target, const float* row_grad, float scale,
                float eps, bool with_grad, float* loss, int64_t begin, int64_t end);
+  // The two passes of a chunk of vocabulary (linear_ce.cpp's vocabulary blocks): rows [begin, end) of a block of
+  // vb logits a row (row i at z + i * vb, the row's columns v0 .. v0 + vb).
+  // block_stats folds the block into each row's running max mx[i], sum of exp(z - mx[i]) s[i] and sum of logits
+  // zs[i], and stores zt[i] = z[target[i]] where the target falls in the block.
+  void (*block_stats)(const void* z, Dtype dt, int64_t vb, int64_t v0, const int64_t* target, float* mx, float* s,
+                      float* zs, float* zt, int64_t begin, int64_t end);
+  // block_grad overwrites the block by the gradient of loss[i] * scale * (row_grad ? row_grad[i] : 1), the row's
+  // log-sum-exp lse[i] known (v: the whole vocabulary, for the smoothing's eps / v).
+  void (*block_grad)(void* z, Dtype dt, int64_t vb, int64_t v0, int64_t v, const int64_t* target,
+                     const float* row_grad, float scale, float eps, const float* lse, int64_t begin, int64_t end);
 };
 
 extern const CeKernels kCe_isa_default;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <tuple>
 
 #include <sys/mman.h>
@@ -42,6 +43,18 @@ int64_t ce_chunk_rows(int64_t m, int64_t h, int64_t v, int64_t itemsize, bool gr
   if (2 * (acc + cap * row_bytes) > m * row_bytes) return m;
   const int64_t chunks = (m + cap - 1) / cap;
   return (m + chunks - 1) / chunks;  // chunks of equal size: no short last one
+}
+
+// See linear_ce.h and fastops/_lce.py's vocab_block(), the same function, where the rule's numbers are measured.
+int64_t ce_vocab_block(int64_t m, int64_t h, int64_t v, int64_t itemsize, bool grad_weight) {
+  constexpr int64_t kMaxHidden = 256, kBlockElems = int64_t(1) << 20, kMinCols = 256, kMaxCols = 4096;
+  if (!grad_weight || itemsize != 2 || h > kMaxHidden || m < 1) return 0;
+  const int64_t rows = ce_chunk_rows(m, h, v, itemsize, true);
+  // What chunks of rows hold: their logits, the fp32 accumulator where there are several, the weight's copy.
+  const int64_t held = rows * v * itemsize + (rows < m ? 4 * v * h : 0) + (m >= 4 * h ? 2 * v * h : 0);
+  if (8 * held <= 3 * m * v * itemsize) return 0;
+  const int64_t cols = std::clamp<int64_t>(kBlockElems / m / 64 * 64, kMinCols, kMaxCols);
+  return cols < v ? cols : 0;
 }
 
 void ce_rows_aten(const at::Tensor& buf, const at::Tensor& target, const at::Tensor& row_grad, double scale,
@@ -84,6 +97,62 @@ at::Tensor workspace(at::IntArrayRef sizes, const at::TensorOptions& opts) {
   return at::from_blob(p, sizes, [](void* q) { std::free(q); }, opts);
 }
 
+// ce_pass through the vocabulary in blocks of `cols` columns (bf16, grad_weight wanted; ce_vocab_block): every
+// labeled row's logits of one block at a time, twice. The first pass folds them into each row's log-sum-exp; the
+// second overwrites them by their gradient and turns that into the block's rows of grad_weight, one matmul over all
+// rows (summed in fp32 and rounded once, as torch's: no V x H accumulator), and its share of grad_x, summed over the
+// blocks in an fp32 m x H accumulator inside the backend's mixed-precision matmul. It holds m x cols logits.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_pass_blocks(
+    const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, const at::Tensor& target,
+    const at::Tensor& row_grad, double scale, double eps, bool want_gx, bool want_gb, int64_t cols,
+    const CeBackend& backend) {
+  const int64_t m = x.size(0), h = x.size(1), v = w.size(0);
+  const at::TensorOptions f32 = x.options().dtype(at::kFloat);
+  const at::Tensor flat = workspace({m * cols}, x.options());
+  const auto logits = [&](int64_t v0, int64_t n) {
+    at::Tensor z = flat.narrow(0, 0, m * n).view({m, n});
+    const at::Tensor wb = w.narrow(0, v0, n).t();
+    if (bias.has_value()) {
+      at::addmm_out(z, bias->narrow(0, v0, n), x, wb);
+    } else {
+      at::mm_out(z, x, wb);
+    }
+    return z;
+  };
+  const at::Tensor mx = at::full({m}, -std::numeric_limits<float>::infinity(), f32);
+  const at::Tensor s = at::zeros({m}, f32), zs = at::zeros({m}, f32), zt = at::zeros({m}, f32);
+  for (int64_t v0 = 0; v0 < v; v0 += cols) {
+    backend.block_stats(logits(v0, std::min(cols, v - v0)), v0, target, mx, s, zs, zt);
+  }
+  const at::Tensor lse = mx + s.log();
+  at::Tensor loss = (lse - zt) * (1 - eps);  // as the row pass: in log-probabilities, exactly 0 at V = 1
+  if (eps != 0) loss = loss + (lse - zs / double(v)) * eps;
+  const at::Tensor gw = at::empty({v, h}, w.options());
+  const at::Tensor gxa = want_gx ? at::empty({m, h}, f32) : at::Tensor();
+  const at::Tensor gb = want_gb ? at::empty({v}, f32) : at::Tensor();
+  for (int64_t v0 = 0; v0 < v; v0 += cols) {
+    const int64_t n = std::min(cols, v - v0);
+    const at::Tensor z = logits(v0, n);
+    backend.block_grad(z, v0, v, target, row_grad, scale, eps, lse);
+    at::Tensor gws = gw.narrow(0, v0, n);
+    at::mm_out(gws, z.t(), x);
+    if (want_gx) {
+      const at::Tensor wb = w.narrow(0, v0, n);
+      if (!backend.accumulate || !backend.accumulate(gxa, z, wb, v0 == 0)) {
+        const at::Tensor part = at::mm(z, wb);
+        if (v0 == 0) {
+          gxa.copy_(part);
+        } else {
+          gxa.add_(part);
+        }
+      }
+    }
+    if (want_gb) gb.narrow(0, v0, n).copy_(at::sum(z, {0}, false, at::kFloat));
+  }
+  const at::Tensor none = at::empty({0}, x.options());
+  return {loss, want_gx ? gxa.to(x.scalar_type()) : none, gw, want_gb ? gb.to(x.scalar_type()) : none};
+}
+
 // The pass over labeled rows: per-row losses (fp32 or fp64) and the asked-for gradients of
 // sum_rows loss * scale * row_grad (grad_weight and grad_bias in the params' dtype).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_pass(
@@ -96,6 +165,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_pass(
   const at::ScalarType acc_t = dtype == at::kDouble ? at::kDouble : at::kFloat;
   const at::TensorOptions acc_opts = x.options().dtype(acc_t);
   const bool with_grad = want_gx || want_gw || want_gb;
+  if (chunk_rows <= 0 && dtype == at::kBFloat16 && backend.block_stats && backend.block_grad) {
+    const int64_t cols = ce_vocab_block(m, h, v, at::elementSize(dtype), want_gw);
+    if (cols > 0) return ce_pass_blocks(x, w, bias, target, row_grad, scale, eps, want_gx, want_gb, cols, backend);
+  }
   const int64_t rows = std::min(
       m, chunk_rows > 0 ? chunk_rows : ce_chunk_rows(m, h, v, at::elementSize(dtype), want_gw));
   const bool one_chunk = rows >= m;
@@ -154,7 +227,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_pass(
         }
       } else {
         if (first) gw = workspace({v, h}, acc_opts);
-        if (!backend.accumulate || !backend.accumulate(gw, dl, xs, first)) {
+        if (!backend.accumulate || !backend.accumulate(gw, dl.t(), xs, first)) {
           for (int64_t v0 = 0; v0 < v; v0 += kVocabBlock) {
             const int64_t vb = std::min(kVocabBlock, v - v0);
             at::Tensor part = at::mm(dl.narrow(1, v0, vb).t(), xs);
@@ -325,21 +398,57 @@ void rows_cpu(const at::Tensor& buf, const at::Tensor& target, const at::Tensor&
   });
 }
 
-bool accumulate_mkl(const at::Tensor& acc, const at::Tensor& dl, const at::Tensor& x, bool first) {
-  if (cblas_gemm_bf16bf16f32 == nullptr || dl.scalar_type() != at::kBFloat16) return false;
-  const int64_t r = dl.size(0), v = dl.size(1), h = x.size(1);
+// acc = a @ b (+ acc), a a row-major matrix or the transposed view of one, b row-major, acc contiguous.
+bool accumulate_mkl(const at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, bool first) {
+  if (cblas_gemm_bf16bf16f32 == nullptr || a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16) {
+    return false;
+  }
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  const bool trans = a.stride(1) != 1;  // a = (row-major k x m)^T
+  const int64_t lda = trans ? a.stride(1) : a.stride(0), ldb = b.stride(0);
   constexpr int64_t kIntMax = 2147483647;
-  if (r > kIntMax || v > kIntMax || h > kIntMax) return false;
-  // Row-major (101); acc (V x H) = dl^T (112: transposed) @ x (111), leading dimensions V and H.
-  cblas_gemm_bf16bf16f32(101, 112, 111, int(v), int(h), int(r), 1.0f,
-                         reinterpret_cast<const uint16_t*>(dl.const_data_ptr()), int(v),
-                         reinterpret_cast<const uint16_t*>(x.const_data_ptr()), int(h), first ? 0.0f : 1.0f,
-                         acc.data_ptr<float>(), int(h));
+  if ((trans ? a.stride(0) != 1 || lda < m : lda < k) || b.stride(1) != 1 || ldb < n || !acc.is_contiguous() ||
+      std::max({m, n, k, lda, ldb}) > kIntMax) {
+    return false;
+  }
+  // Row-major (101); op(a) transposed (112) or not (111), b not.
+  cblas_gemm_bf16bf16f32(101, trans ? 112 : 111, 111, int(m), int(n), int(k), 1.0f,
+                         reinterpret_cast<const uint16_t*>(a.const_data_ptr()), int(lda),
+                         reinterpret_cast<const uint16_t*>(b.const_data_ptr()), int(ldb), first ? 0.0f : 1.0f,
+                         acc.data_ptr<float>(), int(n));
   return true;
 }
 
+// The vocabulary blocks' passes over rows, threaded as rows_cpu.
+void block_stats_cpu(const at::Tensor& z, int64_t v0, const at::Tensor& target, const at::Tensor& mx,
+                     const at::Tensor& s, const at::Tensor& zs, const at::Tensor& zt) {
+  const int64_t vb = z.size(1);
+  const Dtype dt = z.scalar_type() == at::kFloat ? Dtype::kFloat : Dtype::kBFloat16;
+  const CeKernels& k = ce_kernels();
+  const void* base = z.const_data_ptr();
+  const int64_t* tp = target.const_data_ptr<int64_t>();
+  float *mp = mx.data_ptr<float>(), *sp = s.data_ptr<float>(), *zsp = zs.data_ptr<float>(), *ztp = zt.data_ptr<float>();
+  at::parallel_for(0, z.size(0), std::max<int64_t>(1, 32768 / std::max<int64_t>(vb, 1)), [&](int64_t b, int64_t e) {
+    k.block_stats(base, dt, vb, v0, tp, mp, sp, zsp, ztp, b, e);
+  });
+}
+
+void block_grad_cpu(const at::Tensor& z, int64_t v0, int64_t v, const at::Tensor& target, const at::Tensor& row_grad,
+                    double scale, double eps, const at::Tensor& lse) {
+  const int64_t vb = z.size(1);
+  const Dtype dt = z.scalar_type() == at::kFloat ? Dtype::kFloat : Dtype::kBFloat16;
+  const CeKernels& k = ce_kernels();
+  void* base = z.data_ptr();
+  const int64_t* tp = target.const_data_ptr<int64_t>();
+  const float* gp = row_grad.defined() ? row_grad.const_data_ptr<float>() : nullptr;
+  const float* lp = lse.const_data_ptr<float>();
+  at::parallel_for(0, z.size(0), std::max<int64_t>(1, 32768 / std::max<int64_t>(vb, 1)), [&](int64_t b, int64_t e) {
+    k.block_grad(base, dt, vb, v0, v, tp, gp, float(scale), float(eps), lp, b, e);
+  });
+}
+
 const CeBackend& cpu_backend() {
-  static const CeBackend b{rows_cpu, accumulate_mkl, false};
+  static const CeBackend b{rows_cpu, accumulate_mkl, false, block_stats_cpu, block_grad_cpu};
   return b;
 }
 

@@ -29,9 +29,9 @@ void rows(const at::Tensor& buf, const at::Tensor& target, const at::Tensor& row
       static_cast<float>(eps), with_grad, loss.data_ptr<float>(), at::cuda::getCurrentCUDAStream().stream())));
 }
 
-bool accumulate(const at::Tensor& acc, const at::Tensor& dl, const at::Tensor& x, bool first) {
+bool accumulate(const at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, bool first) {
   at::Tensor out = acc;
-  at::addmm_out(out, acc, dl.t(), x, at::kFloat, first ? 0 : 1, 1);
+  at::addmm_out(out, acc, a, b, at::kFloat, first ? 0 : 1, 1);
   return true;
 }
 
