@@ -74,15 +74,17 @@ def chunk_rows(m: int, h: int, v: int, itemsize: int, grad_weight: bool) -> int:
 # trainable head at few rows per hidden unit, chunks of rows cannot hold little: their fp32 grad_weight accumulator
 # (4VH bytes) alone is a fifth of eager's peak at N = 1024, H = 256 (eager holds about 5 bytes a logit), and the
 # weight's copy and a chunk's logits come on top: 0.46x-0.48x eager's at V 8000-151936 (results/loss_frozen256.md).
-# Going through the vocabulary instead holds N x cols logits (2 MiB) and an fp32 N x H grad_x, and writes
-# grad_weight block by block with all N rows as its inner dimension, at the price of a fourth matmul (the logits
-# again, for the gradients once each row's log-sum-exp is known). So blocks where chunks of rows would hold more than
-# 3/8 of the batch's bf16 logits (about 15% of eager's peak), at most VOCAB_BLOCK_MAX_HIDDEN wide. Measured on the
-# 2-core Xeon (AMX), bf16, every row labeled, forward + backward, blocks against chunks of 512 rows in one process
-# (a noisy stretch of the VM; medians of 5-7): N = 1024, H = 256, V = 32000 0.93x-1.09x the time at 1 and 2 threads,
-# V = 128256 0.72x; N = 2048, H = 256 1.25x (1 thread) and 1.08x (2 threads); at H = 512 1.05x-1.30x, where the
-# fourth matmul is a larger share: not taken there. The extra memory at N = 1024, H = 256, V = 128256: 62.6 MiB (the
-# bf16 grad_weight itself) against chunks' 378.6.
+# Going through the vocabulary instead holds N x cols logits and an fp32 N x H grad_x, and writes grad_weight block
+# by block with all N rows as its inner dimension, at the price of a fourth matmul (the logits again, for the
+# gradients once each row's log-sum-exp is known). A block holds at most 2^20 logits (2 MiB) and a sixteenth of the
+# vocabulary (at V = 8000 blocks of 1024 columns left the call at 0.158x eager's memory, of 448 at 0.133x). Blocks
+# are taken where chunks of rows would hold more than 3/8 of the batch's bf16 logits (about 15% of eager's peak),
+# up to VOCAB_BLOCK_MAX_HIDDEN. Measured on the 2-core Xeon (AMX), bf16, every row labeled, forward + backward:
+# against chunks of 512 rows in one process, N = 1024, H = 256: 0.93x-1.09x their time at V = 32000 (1 and 2
+# threads), 1.07x at V = 8000, 0.72x at V = 128256; N = 2048, H = 256: 1.25x (1 thread) and 1.08x (2 threads); at
+# H = 512 1.05x-1.30x, where the fourth matmul is a larger share: not taken there. Against the peers
+# (results/loss_blocks.md, N = 1024, H = 256): extra memory 0.087x-0.133x eager's at 1 thread, V 8000-151936 (chunks
+# of rows: 0.46x-0.48x), 1.07x-1.72x the best compiled peer.
 VOCAB_BLOCK_MAX_HIDDEN = 256
 VOCAB_BLOCK_ELEMS = 1 << 20
 VOCAB_BLOCK_COLS = (256, 4096)
@@ -98,7 +100,7 @@ def vocab_block(m: int, h: int, v: int, itemsize: int, grad_weight: bool) -> int
     if 8 * held <= 3 * m * v * itemsize:
         return 0
     lo, hi = VOCAB_BLOCK_COLS
-    cols = min(max(VOCAB_BLOCK_ELEMS // m // 64 * 64, lo), hi)
+    cols = min(max(min(VOCAB_BLOCK_ELEMS // m, v // 16) // 64 * 64, lo), hi)
     return cols if cols < v else 0
 
 

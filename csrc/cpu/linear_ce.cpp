@@ -53,7 +53,7 @@ int64_t ce_vocab_block(int64_t m, int64_t h, int64_t v, int64_t itemsize, bool g
   // What chunks of rows hold: their logits, the fp32 accumulator where there are several, the weight's copy.
   const int64_t held = rows * v * itemsize + (rows < m ? 4 * v * h : 0) + (m >= 4 * h ? 2 * v * h : 0);
   if (8 * held <= 3 * m * v * itemsize) return 0;
-  const int64_t cols = std::clamp<int64_t>(kBlockElems / m / 64 * 64, kMinCols, kMaxCols);
+  const int64_t cols = std::clamp<int64_t>(std::min(kBlockElems / m, v / 16) / 64 * 64, kMinCols, kMaxCols);
   return cols < v ? cols : 0;
 }
 
