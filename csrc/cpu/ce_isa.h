@@ -51,19 +51,28 @@ __attribute__((always_inline)) inline T ce_store(float f) {
   }
 }
 
+// The max and the sum of n logits, in one pass.
+template <typename T>
+__attribute__((always_inline)) inline void ce_max_sum(const T* z, int64_t n, float& max_out, float& sum_out) {
+  float mx = -__builtin_inff();
+  float sum = 0.0f;
+#pragma omp simd reduction(max : mx) reduction(+ : sum)
+  for (int64_t j = 0; j < n; ++j) {
+    const float a = ce_load(z, j);
+    mx = a > mx ? a : mx;
+    sum += a;
+  }
+  max_out = mx;
+  sum_out = sum;
+}
+
 // One row: a pass for the max and the sum of the logits, a pass for the exps (kept in `scratch`, fp32, which a row
 // of 150k logits fills to 600 KB: L2-resident) and their sum, and with a gradient a pass that scales the kept exps
 // into the gradient, one exp per logit in all.
 template <typename T>
 void ce_row(T* z, int64_t v, int64_t t, float c, float eps, bool with_grad, float* loss, float* scratch) {
-  float mx = -__builtin_inff();
-  float zsum = 0.0f;
-#pragma omp simd reduction(max : mx) reduction(+ : zsum)
-  for (int64_t j = 0; j < v; ++j) {
-    const float a = ce_load(z, j);
-    mx = a > mx ? a : mx;
-    zsum += a;
-  }
+  float mx, zsum;
+  ce_max_sum(z, v, mx, zsum);
   float s = 0.0f;
   if (with_grad) {
 #pragma omp simd reduction(+ : s)
@@ -116,14 +125,8 @@ void ce_rows(void* logits, Dtype dt, int64_t v, const int64_t* target, const flo
 // block's max and sum, a pass for its exps against the new max, the old sum rescaled to it once.
 template <typename T>
 void ce_block_row_stats(const T* z, int64_t vb, int64_t t, float* mx, float* s, float* zs, float* zt) {
-  float bm = -__builtin_inff();
-  float bsum = 0.0f;
-#pragma omp simd reduction(max : bm) reduction(+ : bsum)
-  for (int64_t j = 0; j < vb; ++j) {
-    const float a = ce_load(z, j);
-    bm = a > bm ? a : bm;
-    bsum += a;
-  }
+  float bm, bsum;
+  ce_max_sum(z, vb, bm, bsum);
   const float m = bm > *mx ? bm : *mx;
   float e = 0.0f;
 #pragma omp simd reduction(+ : e)
