@@ -97,6 +97,17 @@ at::Tensor workspace(at::IntArrayRef sizes, const at::TensorOptions& opts) {
   return at::from_blob(p, sizes, [](void* q) { std::free(q); }, opts);
 }
 
+// dst (fp32) = a @ b (+ dst unless first) through a product in a's dtype: where the backend has no matmul that sums
+// a low-precision product into fp32 (CeAccumulate).
+void add_product(const at::Tensor& dst, const at::Tensor& a, const at::Tensor& b, bool first) {
+  const at::Tensor part = at::mm(a, b);
+  if (first) {
+    dst.copy_(part);
+  } else {
+    dst.add_(part);
+  }
+}
+
 // ce_pass through the vocabulary in blocks of `cols` columns (bf16, grad_weight wanted; ce_vocab_block): every
 // labeled row's logits of one block at a time, twice. The first pass folds them into each row's log-sum-exp; the
 // second overwrites them by their gradient and turns that into the block's rows of grad_weight, one matmul over all
@@ -138,14 +149,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_pass_blocks(
     at::mm_out(gws, z.t(), x);
     if (want_gx) {
       const at::Tensor wb = w.narrow(0, v0, n);
-      if (!backend.accumulate || !backend.accumulate(gxa, z, wb, v0 == 0)) {
-        const at::Tensor part = at::mm(z, wb);
-        if (v0 == 0) {
-          gxa.copy_(part);
-        } else {
-          gxa.add_(part);
-        }
-      }
+      if (!backend.accumulate || !backend.accumulate(gxa, z, wb, v0 == 0)) add_product(gxa, z, wb, v0 == 0);
     }
     if (want_gb) gb.narrow(0, v0, n).copy_(at::sum(z, {0}, false, at::kFloat));
   }
@@ -230,13 +234,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_pass(
         if (!backend.accumulate || !backend.accumulate(gw, dl.t(), xs, first)) {
           for (int64_t v0 = 0; v0 < v; v0 += kVocabBlock) {
             const int64_t vb = std::min(kVocabBlock, v - v0);
-            at::Tensor part = at::mm(dl.narrow(1, v0, vb).t(), xs);
-            at::Tensor dst = gw.narrow(0, v0, vb);
-            if (first) {
-              dst.copy_(part);
-            } else {
-              dst.add_(part);
-            }
+            add_product(gw.narrow(0, v0, vb), dl.narrow(1, v0, vb).t(), xs, first);
           }
         }
       }
@@ -378,6 +376,11 @@ const CeKernels& ce_kernels() {
 
 namespace {
 
+// A row of 32k logits is ~30 us of row pass: a task of at least 32k elements amortises a thread's wake-up.
+int64_t row_grain(int64_t row_len) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_len, 1)); }
+
+Dtype kernel_dtype(const at::Tensor& t) { return t.scalar_type() == at::kFloat ? Dtype::kFloat : Dtype::kBFloat16; }
+
 void rows_cpu(const at::Tensor& buf, const at::Tensor& target, const at::Tensor& row_grad, double scale, double eps,
               bool with_grad, const at::Tensor& loss) {
   if (buf.scalar_type() == at::kDouble) {
@@ -385,15 +388,13 @@ void rows_cpu(const at::Tensor& buf, const at::Tensor& target, const at::Tensor&
     return;
   }
   const int64_t r = buf.size(0), v = buf.size(1);
-  const Dtype dt = buf.scalar_type() == at::kFloat ? Dtype::kFloat : Dtype::kBFloat16;
+  const Dtype dt = kernel_dtype(buf);
   const CeKernels& k = ce_kernels();
   void* base = buf.data_ptr();
   const int64_t* tp = target.const_data_ptr<int64_t>();
   const float* gp = row_grad.defined() ? row_grad.const_data_ptr<float>() : nullptr;
   float* lp = loss.data_ptr<float>();
-  // A row of 32k logits is ~30 us of row pass: a task of at least 32k elements amortises a thread's wake-up.
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(v, 1));
-  at::parallel_for(0, r, grain, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, r, row_grain(v), [&](int64_t b, int64_t e) {
     k.rows(base, dt, v, tp, gp, float(scale), float(eps), with_grad, lp, b, e);
   });
 }
@@ -419,16 +420,16 @@ bool accumulate_mkl(const at::Tensor& acc, const at::Tensor& a, const at::Tensor
   return true;
 }
 
-// The vocabulary blocks' passes over rows, threaded as rows_cpu.
+// The vocabulary blocks' passes over rows, threaded as rows_cpu (a block row counts as a row).
 void block_stats_cpu(const at::Tensor& z, int64_t v0, const at::Tensor& target, const at::Tensor& mx,
                      const at::Tensor& s, const at::Tensor& zs, const at::Tensor& zt) {
   const int64_t vb = z.size(1);
-  const Dtype dt = z.scalar_type() == at::kFloat ? Dtype::kFloat : Dtype::kBFloat16;
+  const Dtype dt = kernel_dtype(z);
   const CeKernels& k = ce_kernels();
   const void* base = z.const_data_ptr();
   const int64_t* tp = target.const_data_ptr<int64_t>();
   float *mp = mx.data_ptr<float>(), *sp = s.data_ptr<float>(), *zsp = zs.data_ptr<float>(), *ztp = zt.data_ptr<float>();
-  at::parallel_for(0, z.size(0), std::max<int64_t>(1, 32768 / std::max<int64_t>(vb, 1)), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, z.size(0), row_grain(vb), [&](int64_t b, int64_t e) {
     k.block_stats(base, dt, vb, v0, tp, mp, sp, zsp, ztp, b, e);
   });
 }
@@ -436,13 +437,13 @@ void block_stats_cpu(const at::Tensor& z, int64_t v0, const at::Tensor& target, 
 void block_grad_cpu(const at::Tensor& z, int64_t v0, int64_t v, const at::Tensor& target, const at::Tensor& row_grad,
                     double scale, double eps, const at::Tensor& lse) {
   const int64_t vb = z.size(1);
-  const Dtype dt = z.scalar_type() == at::kFloat ? Dtype::kFloat : Dtype::kBFloat16;
+  const Dtype dt = kernel_dtype(z);
   const CeKernels& k = ce_kernels();
   void* base = z.data_ptr();
   const int64_t* tp = target.const_data_ptr<int64_t>();
   const float* gp = row_grad.defined() ? row_grad.const_data_ptr<float>() : nullptr;
   const float* lp = lse.const_data_ptr<float>();
-  at::parallel_for(0, z.size(0), std::max<int64_t>(1, 32768 / std::max<int64_t>(vb, 1)), [&](int64_t b, int64_t e) {
+  at::parallel_for(0, z.size(0), row_grain(vb), [&](int64_t b, int64_t e) {
     k.block_grad(base, dt, vb, v0, v, tp, gp, float(scale), float(eps), lp, b, e);
   });
 }
