@@ -166,7 +166,8 @@ def _assert_bf16(got, ref, x, w, b, t, reduction, label_smoothing):
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 def test_bf16_parity(backend, reduction, label_smoothing, chunk_rows=CHUNK, labeled=0.5):
-    """Chunks of 64 rows: grad_weight added up over them (fp32 inside MKL's matmul on the C++ CPU backend)."""
+    """Chunks of 64 rows: grad_weight added up over them in fp32 (on the C++ CPU backend inside MKL's matmul or over
+    bf16 products: test_partial_products_both_ways)."""
     x, w, b, t = spec.tensors(130, 32, 1500, torch.bfloat16, scale=2.0, labeled=labeled)
     got = _run(_fast, x, w, b, t, chunk_rows=chunk_rows, reduction=reduction, label_smoothing=label_smoothing)
     ref = _run(_torch, x, w, b, t, reduction=reduction, label_smoothing=label_smoothing)
@@ -202,7 +203,7 @@ def test_bf16_vocabulary_blocks(reduction, label_smoothing):
     assert 0 < cols < 9000 and 9000 % cols, cols
     with serve("cpp"):
         got = _run(_fast, x, w, b, t, chunk_rows=0, reduction=reduction, label_smoothing=label_smoothing)
-        # The blocks ran: 2 logits matmuls and a grad_weight one a block (grad_x's sums are MKL's, not aten's).
+        # The blocks ran: 2 logits matmuls and a grad_weight one a block (and grad_x's, unless MKL sums it).
         blocks = -(-9000 // cols)
         assert _matmuls(lambda: _run(_fast, x, w, b, t, chunk_rows=0, reduction=reduction)) >= 3 * blocks
     ref = _run(_torch, x, w, b, t, reduction=reduction, label_smoothing=label_smoothing)
@@ -314,7 +315,26 @@ def test_cpp_row_pass_of_every_isa(capability):
         "    T.test_bf16_parity('cpp', 'mean', 0.1)\n"
         "T.test_bf16_vocabulary_blocks('none', 0.1)\n"
     )
-    env = {**os.environ, "FASTOPS_CPU_CAPABILITY": capability}
+    _in_fresh_process(code, FASTOPS_CPU_CAPABILITY=capability)
+
+
+@pytest.mark.parametrize("how", ["mkl", "product"])
+def test_partial_products_both_ways(how):
+    """Where partial products add up in fp32 (chunks of rows' grad_weight, the vocabulary blocks' grad_x) the C++
+    CPU backend sums them inside MKL's bf16 GEMM on Intel CPUs and adds bf16 products elsewhere (MKL's 4-5x slower
+    there); each way, forced in a fresh process, stays within torch's bounds."""
+    code = (
+        "import tests.test_linear_ce as T; from fastops import _backend\n"
+        f"assert _backend._C.cpp.linear_ce_accumulate() == {how!r}\n"
+        "with _backend.use('cpu', 'cpp'):\n"
+        "    T.test_bf16_parity('cpp', 'sum', 0.1)\n"
+        "T.test_bf16_vocabulary_blocks('mean', 0.1)\n"
+        "T.test_bf16_vocabulary_blocks_with_x_frozen()\n"
+    )
+    _in_fresh_process(code, FASTOPS_CE_ACCUMULATE=how)
+
+
+def _in_fresh_process(code: str, **env):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, cwd=root, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
