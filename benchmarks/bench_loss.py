@@ -361,16 +361,12 @@ def report(a) -> None:
               "| threads | N | H | V | labeled | head | x best peer | x eager | x frozen | eager / floor | "
               "fastops % peak | mem fastops | mem eager | mem fastops / eager | mem floor | fastops design |",
               "|" + "---|" * 16]
-    from fastops._lce import chunk_rows, vocab_block
+    from fastops._lce import held
 
     for r in rows:
         m = r["n"] if r["labeled_pct"] == 100 else round(r["n"] * r["labeled_pct"] / 100)
         n, h, v, trained = int(r["n"]), int(r["h"]), int(r["v"]), not r["frozen_head"]
-        rows_held, cols = chunk_rows(m, h, v, 2, trained), vocab_block(m, h, v, 2, trained)
-        design = 2 * rows_held * v + (2 * v * h if trained and m >= 4 * h else 0) + (2 * v * h if trained else 0)
-        design += 4 * v * h if trained and rows_held < m else 0
-        if cols:  # the C++ CPU backend's vocabulary blocks (what bench_loss measures)
-            design = 2 * m * cols + 4 * m * h + 2 * v * h
+        design = held(int(m), h, v, 2, trained) + (2 * v * h if trained else 0)  # + the grad_weight returned
         cells = [f"{r['threads']:.0f}", f"{r['n']:.0f}", f"{r['h']:.0f}", f"{r['v']:.0f}", f"{r['labeled_pct']:.0f}%",
                  "frozen" if r["frozen_head"] else "trained", f"{r['speedup_best_peer']:.2f}", f"{r['speedup_eager']:.2f}",
                  f"{r['frozen_speedup']:.2f}" if r["frozen_speedup"] else "", f"{r['ms_eager'] / r['floor_ms']:.2f}",

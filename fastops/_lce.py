@@ -90,18 +90,32 @@ VOCAB_BLOCK_ELEMS = 1 << 20
 VOCAB_BLOCK_COLS = (256, 4096)
 
 
+def rows_held(m: int, h: int, v: int, itemsize: int, grad_weight: bool) -> int:
+    """Bytes chunks of rows hold besides the inputs and the gradients returned: a chunk's logits, the fp32
+    grad_weight accumulator where there are several chunks, and the weight's copy (csrc/cpu/linear_ce.cpp: where the
+    head is trained and rows >= 4 H)."""
+    rows = chunk_rows(m, h, v, itemsize, grad_weight)
+    acc = 4 * v * h if grad_weight and itemsize < 4 and rows < m else 0
+    return rows * v * itemsize + acc + (2 * v * h if grad_weight and m >= 4 * h else 0)
+
+
 def vocab_block(m: int, h: int, v: int, itemsize: int, grad_weight: bool) -> int:
     """Columns of a vocabulary block where the C++ CPU backend goes through the vocabulary (bf16, a trainable head,
     the op's own plan), or 0 for chunks of rows (``chunk_rows``)."""
     if not grad_weight or itemsize != 2 or h > VOCAB_BLOCK_MAX_HIDDEN or m < 1:
         return 0
-    rows = chunk_rows(m, h, v, itemsize, True)
-    held = rows * v * itemsize + (4 * v * h if rows < m else 0) + (2 * v * h if m >= 4 * h else 0)
-    if 8 * held <= 3 * m * v * itemsize:
+    if 8 * rows_held(m, h, v, itemsize, True) <= 3 * m * v * itemsize:
         return 0
     lo, hi = VOCAB_BLOCK_COLS
     cols = min(max(min(VOCAB_BLOCK_ELEMS // m, v // 16) // 64 * 64, lo), hi)
     return cols if cols < v else 0
+
+
+def held(m: int, h: int, v: int, itemsize: int, grad_weight: bool) -> int:
+    """Bytes the C++ CPU backend's plan holds for ``m`` labeled rows besides the inputs and the gradients returned:
+    ``rows_held``, or in vocabulary blocks a block's logits and the fp32 m x H grad_x."""
+    cols = vocab_block(m, h, v, itemsize, grad_weight)
+    return itemsize * m * cols + 4 * m * h if cols else rows_held(m, h, v, itemsize, grad_weight)
 
 
 def reference_rows(buf, target, row_grad, scale, eps, with_grad, loss):
