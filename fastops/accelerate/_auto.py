@@ -40,7 +40,10 @@ MIN_STEPS = 100
 # 0.46-0.92x. LlamaForCausalLM 4x256 trained in 276 ms a step with it against 305 with the head's own loss compiled
 # (results/train_cpu_llama_1t.json). The largest vocabulary measured is Qwen2's 151936 (N=1024, H=256, 1 thread:
 # 1.57x the best peer); past it, with every row labeled, the head's own loss runs. (Before the 512-row chunks the
-# op added its fp32 grad_weight once per 2^22 logits and lost from V=32000 on: 1.10-1.19x.)
+# op added its fp32 grad_weight once per 2^22 logits and lost from V=32000 on: 1.10-1.19x.) Since the C++ CPU
+# backend's vocabulary blocks, every row labeled, trained head, N=1024 H=256 (bench_loss's speed-up, so above 1 is
+# faster): 1.07x-1.72x the best peer on the Xeon (results/loss_blocks.md), and on an AMD Zen 5 1.06x-1.15x from
+# V=32000 up, 0.88x at V=8000 at 1 thread (results/loss_zen5.md).
 MAX_LABELED_SHARE = 0.5
 ALL_ROWS_MAX_VOCAB = 151936
 
