@@ -23,7 +23,8 @@ def info() -> None:
     print(f"triton {triton_version}")
     if _backend._C is not None:
         print(f"fastops._C loaded: CPU kernels dispatch to {_backend._C.cpu_capability()}, CUDA kernels "
-              f"{'built' if _backend._C.WITH_CUDA else 'not built'}")
+              f"{'built' if _backend._C.WITH_CUDA else 'not built'}; the fused loss's fp32 sums on the CPU: "
+              f"{_backend._C.cpp.linear_ce_accumulate()}")
     else:
         print(f"fastops._C not loaded: {_backend._C_ERROR}")
     devices = ["cpu"] + [f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(torch.cuda.device_count())]

@@ -99,7 +99,7 @@ at::Tensor workspace(at::IntArrayRef sizes, const at::TensorOptions& opts) {
 
 // dst (fp32) = a @ b (+ dst unless first) through a product in a's dtype: where the backend has no matmul that sums
 // a low-precision product into fp32 (CeAccumulate), or one slower than this (MKL's off Intel CPUs: ce_accumulate).
-// Each partial is rounded once to bf16 before the fp32 sum: within the tests' bf16 bounds (tests/test_linear_ce.py).
+// Each partial is rounded once to a's dtype before the fp32 sum: within the tests' bf16 bounds (test_linear_ce.py).
 void add_product(const at::Tensor& dst, const at::Tensor& a, const at::Tensor& b, bool first) {
   const at::Tensor part = at::mm(a, b);
   if (first) {
@@ -468,8 +468,9 @@ void block_grad_cpu(const at::Tensor& z, int64_t v0, int64_t v, const at::Tensor
 }
 
 const CeBackend& cpu_backend() {
-  static const CeBackend b{rows_cpu, std::strcmp(ce_accumulate(), "mkl") == 0 ? CeAccumulate(accumulate_mkl) : CeAccumulate(),
-                           false, block_stats_cpu, block_grad_cpu};
+  const bool mkl = std::strcmp(ce_accumulate(), "mkl") == 0;
+  static const CeBackend b{rows_cpu, mkl ? CeAccumulate(accumulate_mkl) : CeAccumulate(), false, block_stats_cpu,
+                           block_grad_cpu};
   return b;
 }
 
