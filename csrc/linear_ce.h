@@ -94,7 +94,7 @@ int ce_rows(int kind, void* z, int64_t rows, int64_t v, const int64_t* target, c
 }  // namespace cuda
 
 namespace cpu {
-// How the CPU backend adds partial products up in fp32: "mkl" or "product" (csrc/cpu/linear_ce.cpp).
+// How the CPU backend adds partial products up in fp32: "mkl", "onednn" or "product" (csrc/cpu/linear_ce.cpp).
 const char* ce_accumulate();
 // The C++ CPU backend (csrc/cpu/linear_ce.cpp).
 FASTOPS_CE_DECLARE_ENTRY_POINTS;

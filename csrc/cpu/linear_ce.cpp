@@ -1,7 +1,7 @@
 // linear_cross_entropy: the driver every C++ backend shares (csrc/linear_ce.h) and the CPU backend's row pass
 // (ce_isa.h, vectorised for the ISA picked at load time, split over rows with at::parallel_for). The matmuls go
 // through ATen (oneDNN/MKL). Where partial products add up in fp32 (chunks of rows' grad_weight, the vocabulary
-// blocks' grad_x), on Intel CPUs MKL's bf16 x bf16 -> fp32 GEMM sums them inside the matmul (ce_accumulate()).
+// blocks' grad_x), MKL's bf16 x bf16 -> fp32 GEMM on Intel CPUs, oneDNN's fp32 one elsewhere (ce_accumulate()).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -22,6 +22,14 @@
 extern "C" void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
                                        const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
                                        int ldc) __attribute__((weak));
+
+// ATen's oneDNN matmul (result = beta result + alpha mat1 @ mat2, all three of one dtype), exported by torch's x86
+// builds but declared in a header they do not ship. Weak: a torch without it (or with another signature) leaves it
+// null, and ce_accumulate() does not pick it.
+namespace at::native {
+void mkldnn_matmul(const at::Tensor& mat1, const at::Tensor& mat2, const at::Tensor& result, float beta, float alpha)
+    __attribute__((weak));
+}  // namespace at::native
 
 namespace fastops {
 
@@ -98,8 +106,7 @@ at::Tensor workspace(at::IntArrayRef sizes, const at::TensorOptions& opts) {
 }
 
 // dst (fp32) = a @ b (+ dst unless first) through a product in a's dtype: where the backend has no matmul that sums
-// a low-precision product into fp32 (CeAccumulate), or one slower than this (MKL's off Intel CPUs: ce_accumulate).
-// Each partial is rounded once to a's dtype before the fp32 sum: within the tests' bf16 bounds (test_linear_ce.py).
+// a low-precision product into fp32 (CeAccumulate). Each partial is rounded to a's dtype before the fp32 sum.
 void add_product(const at::Tensor& dst, const at::Tensor& a, const at::Tensor& b, bool first) {
   const at::Tensor part = at::mm(a, b);
   if (first) {
@@ -400,22 +407,40 @@ void rows_cpu(const at::Tensor& buf, const at::Tensor& target, const at::Tensor&
   });
 }
 
-// How partial products add up in fp32: "mkl" (MKL's mixed-precision GEMM, exact to fp32) or "product" (the driver's
-// add_product: ATen's bf16 matmul, then an fp32 add of its rounded result). MKL runs its fast kernels on Intel CPUs
-// only: on a 2-core AMD EPYC Zen 5 (AVX-512 BF16), 2 threads, its GEMM summed at 164-199 GFLOP/s where ATen's bf16
-// matmul of the same shapes ran at 782-875 (1024 x 1024 @ 1024 x 256 and the like), and the op at N 1024, H 256,
-// V 32000, bf16, trained head took 152 ms in vocabulary blocks (torch.compile: 94) against 90 with "product".
-// FASTOPS_CE_ACCUMULATE=mkl|product forces one (the tests run both).
+// How partial products add up in fp32, exactly (each product summed in fp32 and rounded once, as torch's own matmul):
+// "mkl" (MKL's bf16 x bf16 -> fp32 GEMM) on Intel CPUs; elsewhere "onednn" (oneDNN's fp32 matmul on the bf16 operands
+// widened, exact since a product of two bf16 fits in fp32), where MKL runs slow kernels: on a 2-core AMD EPYC Zen 5
+// (AVX-512 BF16), 2 threads, shapes like 1024 x 1024 @ 1024 x 256, MKL's GEMM summed at 164-199 GFLOP/s, oneDNN's
+// fp32 one on widened operands at 334-428, ATen's bf16 matmul at 782-875; the op at N 1024, H 256, V 32000, bf16,
+// trained head, in vocabulary blocks: 152 ms with "mkl", 112 with "onednn" (torch.compile: 94). "product" (the
+// driver's add_product: each partial rounded to bf16, then summed: 90 ms there) is not exact enough to be a default:
+// a 2-layer BERT trained by HF Trainer with it moved its grad norms 9% from the run without fastops within 10 steps
+// (tests/test_patch_models.py), where the exact sums stay within bf16's rounding. It serves a torch with neither.
+// FASTOPS_CE_ACCUMULATE=mkl|onednn|product forces one (the tests run each).
+bool onednn_usable() {
+  __builtin_cpu_init();  // mkldnn_matmul refuses fp32 without these (its bf16 device check)
+  return at::native::mkldnn_matmul != nullptr && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
 const char* pick_accumulate() {
-  const bool mkl = cblas_gemm_bf16bf16f32 != nullptr;
-  if (const char* env = std::getenv("FASTOPS_CE_ACCUMULATE")) {
+  const bool mkl = cblas_gemm_bf16bf16f32 != nullptr, onednn = onednn_usable();
+  if (const char* env = std::getenv("FASTOPS_CE_ACCUMULATE"); env && *env) {
     if (std::strcmp(env, "product") == 0) return "product";
     if (std::strcmp(env, "mkl") == 0 && mkl) return "mkl";
-    TORCH_WARN("fastops: ignoring FASTOPS_CE_ACCUMULATE=", env,
-               mkl ? " (expected mkl or product)" : " (this torch has no MKL bf16 GEMM: product)");
+    if (std::strcmp(env, "onednn") == 0 && onednn) return "onednn";
+    TORCH_WARN("fastops: ignoring FASTOPS_CE_ACCUMULATE=", env, " (expected product", mkl ? ", mkl" : "",
+               onednn ? ", onednn" : "", " here)");
   }
-  __builtin_cpu_init();
-  return mkl && __builtin_cpu_is("intel") ? "mkl" : "product";
+  if (mkl && __builtin_cpu_is("intel")) return "mkl";
+  return onednn ? "onednn" : mkl ? "mkl" : "product";
+}
+
+// acc = a @ b (+ acc) through oneDNN's fp32 matmul on a and b widened from bf16/fp16.
+bool accumulate_onednn(const at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, bool first) {
+  if (a.scalar_type() == at::kFloat || !acc.is_contiguous()) return false;
+  at::native::mkldnn_matmul(a.to(at::kFloat), b.to(at::kFloat), acc, first ? 0.0f : 1.0f, 1.0f);
+  return true;
 }
 
 // acc = a @ b (+ acc), a a row-major matrix or the transposed view of one, b row-major, acc contiguous.
@@ -467,10 +492,14 @@ void block_grad_cpu(const at::Tensor& z, int64_t v0, int64_t v, const at::Tensor
   });
 }
 
+CeAccumulate accumulator(const char* how) {
+  if (std::strcmp(how, "mkl") == 0) return accumulate_mkl;
+  if (std::strcmp(how, "onednn") == 0) return accumulate_onednn;
+  return {};
+}
+
 const CeBackend& cpu_backend() {
-  const bool mkl = std::strcmp(ce_accumulate(), "mkl") == 0;
-  static const CeBackend b{rows_cpu, mkl ? CeAccumulate(accumulate_mkl) : CeAccumulate(), false, block_stats_cpu,
-                           block_grad_cpu};
+  static const CeBackend b{rows_cpu, accumulator(ce_accumulate()), false, block_stats_cpu, block_grad_cpu};
   return b;
 }
 
