@@ -419,8 +419,17 @@ void rows_cpu(const at::Tensor& buf, const at::Tensor& target, const at::Tensor&
 // FASTOPS_CE_ACCUMULATE=mkl|onednn|product forces one (the tests run each).
 bool onednn_usable() {
   __builtin_cpu_init();  // mkldnn_matmul refuses fp32 without these (its bf16 device check)
-  return at::native::mkldnn_matmul != nullptr && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (at::native::mkldnn_matmul == nullptr || !__builtin_cpu_supports("avx512bw") ||
+      !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq")) {
+    return false;
+  }
+  try {  // its dtype checks are its own (torch 2.13 and 2.14 take fp32): one small product says whether it serves
+    const at::Tensor a = at::full({2, 2}, 1.5f), c = at::full({2, 2}, 1.0f);
+    at::native::mkldnn_matmul(a, a, c, 1.0f, 1.0f);
+    return c.eq(5.5f).all().item<bool>();
+  } catch (const c10::Error&) {
+    return false;
+  }
 }
 
 const char* pick_accumulate() {
