@@ -51,7 +51,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   cpp.def("linear_ce_vocab_block", &fastops::ce_vocab_block, py::arg("m"), py::arg("h"), py::arg("v"),
           py::arg("itemsize"), py::arg("grad_weight"));
   cpp.def("linear_ce_accumulate", [] { return std::string(fastops::cpu::ce_accumulate()); },
-          "How partial products add up in fp32 on the CPU: \"mkl\", \"onednn\" or \"product\" (csrc/cpu/linear_ce.cpp).");
+          "How partial products add up in fp32 on the CPU: \"mkl\", \"onednn\" or \"product\" "
+          "(csrc/cpu/linear_ce.cpp).");
   cuda_math.def("linear_cross_entropy", &fastops::cuda_host::linear_cross_entropy,
                 py::call_guard<py::gil_scoped_release>());
   cuda_math.def("linear_cross_entropy_backward", &fastops::cuda_host::linear_cross_entropy_backward,

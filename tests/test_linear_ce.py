@@ -352,5 +352,6 @@ def test_partial_products_each_way(how):
 
 def _in_fresh_process(code: str, **env):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, cwd=root, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, cwd=root, capture_output=True,
+                       text=True)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -58,8 +58,8 @@ def assert_step_matches(got, want, param_ulp_share=0.01, max_ulps=1):
     the CPU, not correctly rounded: 15.5% of fp32 inputs 1 ulp off sqrtps on an Intel Xeon), which through
     `/ bc2_sqrt + eps` and the update left ~0.1% of fp32 params 1 ulp off per step; the tests now hold the kernels to
     reference_step, whose sqrt is correctly rounded as theirs, and the C++ kernels without FMA (the default ISA),
-    which round their fused steps twice, are what the bounds still serve. A GPU's states are held to 1 in 10^4 codes or bf16 roundings
-    (an fp32 moment one ulp off would flip one), not measured there yet."""
+    which round their fused steps twice, are what the bounds still serve. A GPU's states are held to 1 in 10^4 codes
+    or bf16 roundings (an fp32 moment one ulp off would flip one), not measured there yet."""
     got = cpu(got)
     states = [k for k, v in got._asdict().items() if isinstance(v, list) and k not in ("params", "grads",
                                                                                        "master_params")]
@@ -184,8 +184,8 @@ def test_parity_hypothesis(device, backend, sizes, fmt, dtype, master, wd, decou
     with _backend.use(device, backend):
         call("adam_step_lowp_", got)
     # max_ulps=2: the inputs' lr makes an update as large as the param (a master at -0.082 stepped to -0.210), so
-    # the update's own 1-ulp error (measured against the reference's MKL sqrt, see assert_step_matches) is an ulp of the result,
-    # and the subtraction's rounding adds one more. Found by this test: 2 ulps in 1 of 723 elements.
+    # the update's own 1-ulp error (measured against the reference's MKL sqrt, see assert_step_matches) is an ulp
+    # of the result, and the subtraction's rounding adds one more. Found by this test: 2 ulps in 1 of 723 elements.
     assert_step_matches(got, want, param_ulp_share=0.05, max_ulps=2)
 
 

@@ -418,7 +418,7 @@ void rows_cpu(const at::Tensor& buf, const at::Tensor& target, const at::Tensor&
 // (tests/test_patch_models.py), where the exact sums stay within bf16's rounding. It serves a torch with neither.
 // FASTOPS_CE_ACCUMULATE=mkl|onednn|product forces one (the tests run each).
 bool onednn_usable() {
-  __builtin_cpu_init();  // mkldnn_matmul refuses fp32 without these (its bf16 device check)
+  // mkldnn_matmul refuses fp32 without these (its bf16 device check); pick_accumulate ran __builtin_cpu_init.
   if (at::native::mkldnn_matmul == nullptr || !__builtin_cpu_supports("avx512bw") ||
       !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq")) {
     return false;
@@ -433,16 +433,18 @@ bool onednn_usable() {
 }
 
 const char* pick_accumulate() {
-  const bool mkl = cblas_gemm_bf16bf16f32 != nullptr, onednn = onednn_usable();
+  __builtin_cpu_init();
+  const bool mkl = cblas_gemm_bf16bf16f32 != nullptr;
   if (const char* env = std::getenv("FASTOPS_CE_ACCUMULATE"); env && *env) {
+    const bool onednn = onednn_usable();
     if (std::strcmp(env, "product") == 0) return "product";
     if (std::strcmp(env, "mkl") == 0 && mkl) return "mkl";
     if (std::strcmp(env, "onednn") == 0 && onednn) return "onednn";
     TORCH_WARN("fastops: ignoring FASTOPS_CE_ACCUMULATE=", env, " (expected product", mkl ? ", mkl" : "",
                onednn ? ", onednn" : "", " here)");
   }
-  if (mkl && __builtin_cpu_is("intel")) return "mkl";
-  return onednn ? "onednn" : mkl ? "mkl" : "product";
+  if (mkl && __builtin_cpu_is("intel")) return "mkl";  // no oneDNN probe where it would not be picked
+  return onednn_usable() ? "onednn" : mkl ? "mkl" : "product";
 }
 
 // acc = a @ b (+ acc) through oneDNN's fp32 matmul on a and b widened from bf16/fp16.
