@@ -51,8 +51,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   cpp.def("linear_ce_vocab_block", &fastops::ce_vocab_block, py::arg("m"), py::arg("h"), py::arg("v"),
           py::arg("itemsize"), py::arg("grad_weight"));
   cpp.def("linear_ce_accumulate", [] { return std::string(fastops::cpu::ce_accumulate()); },
-          "How partial products add up in fp32 on the CPU: \"mkl\", \"onednn\" or \"product\" "
+          "How partial products add up in fp32 on the CPU: \"mkl\", \"avx512bf16\", \"onednn\" or \"product\" "
           "(csrc/cpu/linear_ce.cpp).");
+  cpp.def("linear_ce_accumulate_with", &fastops::cpu::ce_accumulate_with, py::arg("how"), py::arg("acc"),
+          py::arg("a"), py::arg("b"), py::arg("first"),
+          "acc = a @ b (+ acc unless first) the way named how; False where bf16 products served instead.");
   cuda_math.def("linear_cross_entropy", &fastops::cuda_host::linear_cross_entropy,
                 py::call_guard<py::gil_scoped_release>());
   cuda_math.def("linear_cross_entropy_backward", &fastops::cuda_host::linear_cross_entropy_backward,

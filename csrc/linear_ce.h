@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include <ATen/core/Tensor.h>
@@ -94,8 +95,13 @@ int ce_rows(int kind, void* z, int64_t rows, int64_t v, const int64_t* target, c
 }  // namespace cuda
 
 namespace cpu {
-// How the CPU backend adds partial products up in fp32: "mkl", "onednn" or "product" (csrc/cpu/linear_ce.cpp).
+// How the CPU backend adds partial products up in fp32: "mkl", "avx512bf16", "onednn" or "product"
+// (csrc/cpu/linear_ce.cpp).
 const char* ce_accumulate();
+// acc (fp32) = a @ b (+ acc unless first) the way named `how`; false where that way does not take these tensors and
+// bf16 products were added instead. Raises where `how` is unknown or does not serve on this machine. For the tests.
+bool ce_accumulate_with(const std::string& how, const at::Tensor& acc, const at::Tensor& a, const at::Tensor& b,
+                        bool first);
 // The C++ CPU backend (csrc/cpu/linear_ce.cpp).
 FASTOPS_CE_DECLARE_ENTRY_POINTS;
 }  // namespace cpu

@@ -318,17 +318,26 @@ def test_cpp_row_pass_of_every_isa(capability):
     _in_fresh_process(code, FASTOPS_CPU_CAPABILITY=capability)
 
 
-@pytest.mark.parametrize("how", ["mkl", "onednn", "product"])
+_EXACT_WAYS = ["mkl", "avx512bf16", "onednn"]
+
+
+def _cpu_flags() -> set:
+    return set(open("/proc/cpuinfo").read().split())
+
+
+@pytest.mark.parametrize("how", [*_EXACT_WAYS, "product"])
 def test_partial_products_each_way(how):
     """Where partial products add up in fp32 (chunks of rows' grad_weight, the vocabulary blocks' grad_x) the C++ CPU
-    backend sums them inside MKL's bf16 GEMM on Intel CPUs and oneDNN's fp32 one elsewhere (MKL's is 4-5x slower
-    there), or adds bf16 products (a torch with neither); each way, forced in a fresh process, stays within torch's
-    bounds. The two exact ones differ from torch's grad_x (softmax in fp32) only by the order of their fp32 sums: within
+    backend sums them inside MKL's bf16 GEMM on Intel CPUs, fastops' own AVX-512 BF16 one (csrc/cpu/gemm_bf16.cpp) on
+    others that have it and oneDNN's fp32 one on the rest with AVX-512 (MKL's is 4-5x slower off Intel CPUs), or adds
+    bf16 products (a torch and CPU with none of these); each way, forced in a fresh process, stays within torch's
+    bounds. The exact ones differ from torch's grad_x (softmax in fp32) only by the order of their fp32 sums: within
     an eighth of U_BF16 in norm (measured: 0), where rounding each of 4 blocks' products first gives 2.6e-3, the error
     that moved a BERT's grad norms 9% from torch's under HF Trainer (tests/test_patch_models.py)."""
-    flags = open("/proc/cpuinfo").read().split()
-    if how == "onednn" and not {"avx512bw", "avx512vl", "avx512dq"} <= set(flags):
+    if how == "onednn" and not {"avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags():
         pytest.skip("oneDNN's fp32 matmul is reached here only on a CPU with AVX-512 BW, VL and DQ")
+    if how == "avx512bf16" and "avx512_bf16" not in _cpu_flags():
+        pytest.skip("this CPU has no AVX-512 BF16")
     code = (
         "import torch, torch.nn.functional as F, fastops, tests.test_linear_ce as T; from fastops import _backend\n"
         f"assert _backend._C.cpp.linear_ce_accumulate() == {how!r}\n"
@@ -348,6 +357,40 @@ def test_partial_products_each_way(how):
         f"assert (err <= T.U_BF16 / 8) == ({how!r} != 'product'), err\n"
     )
     _in_fresh_process(code, FASTOPS_CE_ACCUMULATE=how)
+
+
+@pytest.mark.parametrize("how", _EXACT_WAYS)
+def test_each_exact_way_sums_products_in_fp32(how):
+    """Each exact way against fp64, at shapes that leave tails everywhere (rows not a multiple of gemm_bf16.cpp's tile
+    of 6, columns not of its 64 or of 16, odd depth and a depth past its packed 2048, a transposed a as grad_weight's
+    chunks pass it) and accumulating or not: every product of two bf16 is exact in fp32, so the only error is the
+    fp32 sums', which whatever their order is at most k u / (1 - k u) of the sum of the terms' magnitudes
+    (u = 2^-24, k terms: Higham's bound for any summation order, so it holds on any machine)."""
+    g = torch.Generator().manual_seed(0)
+    u = 2.0**-24
+    for m, n, k, transposed in ((1, 1, 1, False), (7, 17, 3, False), (13, 70, 4097, False), (100, 130, 33, True),
+                                (6, 64, 2, True), (50, 20, 2051, True), (40, 256, 600, False)):
+        a = torch.randn(m, k, generator=g).bfloat16() if not transposed else torch.randn(k, m, generator=g).bfloat16().t()
+        b = torch.randn(k, n, generator=g).bfloat16()
+        before = torch.randn(m, n, generator=g)
+        for first in (True, False):
+            acc = before.clone()
+            try:
+                served = _backend._C.cpp.linear_ce_accumulate_with(how, acc, a, b, first)
+            except RuntimeError as e:
+                pytest.skip(str(e).splitlines()[0])
+            assert served, (how, m, n, k, transposed)
+            exact = a.double() @ b.double() + (0 if first else before.double())
+            terms = a.double().abs() @ b.double().abs() + (0 if first else before.double().abs())
+            gamma = (k + 1) * u / (1 - (k + 1) * u)
+            assert ((acc.double() - exact).abs() <= gamma * terms).all(), (how, m, n, k, transposed, first)
+            assert torch.isfinite(acc).all()
+    # The bound can fail: bf16 products rounded before their sum break it.
+    acc = torch.empty(m, n)
+    assert not _backend._C.cpp.linear_ce_accumulate_with("product", acc, a, b, True)
+    assert not ((acc.double() - a.double() @ b.double()).abs() <= gamma * (a.double().abs() @ b.double().abs())).all()
+    with pytest.raises(RuntimeError, match="no partial-product way named"):
+        _backend._C.cpp.linear_ce_accumulate_with("fast", acc, a, b, True)
 
 
 def _in_fresh_process(code: str, **env):

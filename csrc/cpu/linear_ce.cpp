@@ -1,7 +1,8 @@
 // linear_cross_entropy: the driver every C++ backend shares (csrc/linear_ce.h) and the CPU backend's row pass
 // (ce_isa.h, vectorised for the ISA picked at load time, split over rows with at::parallel_for). The matmuls go
 // through ATen (oneDNN/MKL). Where partial products add up in fp32 (chunks of rows' grad_weight, the vocabulary
-// blocks' grad_x), MKL's bf16 x bf16 -> fp32 GEMM on Intel CPUs, oneDNN's fp32 one elsewhere (ce_accumulate()).
+// blocks' grad_x), MKL's bf16 x bf16 -> fp32 GEMM on Intel CPUs, fastops' own (gemm_bf16.cpp) on other CPUs with
+// AVX-512 BF16, oneDNN's fp32 one on the rest with AVX-512 (ce_accumulate()).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -15,6 +16,7 @@
 
 #include "../linear_ce.h"
 #include "ce_kernels.h"
+#include "cpu/gemm_bf16.h"
 #include "fastops.h"
 
 // MKL's mixed-precision GEMM (C = alpha op(A) op(B) + beta C, A and B bf16, C fp32), which torch's x86 builds link
@@ -408,15 +410,17 @@ void rows_cpu(const at::Tensor& buf, const at::Tensor& target, const at::Tensor&
 }
 
 // How partial products add up in fp32, exactly (each product summed in fp32 and rounded once, as torch's own matmul):
-// "mkl" (MKL's bf16 x bf16 -> fp32 GEMM) on Intel CPUs; elsewhere "onednn" (oneDNN's fp32 matmul on the bf16 operands
-// widened, exact since a product of two bf16 fits in fp32), where MKL runs slow kernels: on a 2-core AMD EPYC Zen 5
-// (AVX-512 BF16), 2 threads, shapes like 1024 x 1024 @ 1024 x 256, MKL's GEMM summed at 164-199 GFLOP/s, oneDNN's
-// fp32 one on widened operands at 334-428, ATen's bf16 matmul at 782-875; the op at N 1024, H 256, V 32000, bf16,
-// trained head, in vocabulary blocks: 152 ms with "mkl", 112 with "onednn" (torch.compile: 94). "product" (the
-// driver's add_product: each partial rounded to bf16, then summed: 90 ms there) is not exact enough to be a default:
-// a 2-layer BERT trained by HF Trainer with it moved its grad norms 9% from the run without fastops within 10 steps
-// (tests/test_patch_models.py), where the exact sums stay within bf16's rounding. It serves a torch with neither.
-// FASTOPS_CE_ACCUMULATE=mkl|onednn|product forces one (the tests run each).
+// "mkl" (MKL's bf16 x bf16 -> fp32 GEMM) on Intel CPUs; elsewhere "avx512bf16" (gemm_bf16.cpp, where the CPU has
+// AVX-512 BF16) or "onednn" (oneDNN's fp32 matmul on the bf16 operands widened, exact since a product of two bf16
+// fits in fp32), where MKL runs slow kernels. On a 2-core AMD EPYC Zen 5 (AVX-512 BF16), 2 threads, shapes like
+// 1024 x 1024 @ 1024 x 256, MKL's GEMM summed at 164-199 GFLOP/s, oneDNN's fp32 one on widened operands at 334-428,
+// ATen's bf16 matmul at 782-875; gemm_bf16.cpp's as fast as ATen's (its header). The op there at N 1024, H 256, V 32000, bf16,
+// trained head, in vocabulary blocks: 152 ms with "mkl", 112 with "onednn", 92 with "avx512bf16" (torch.compile:
+// 94-105; results/loss_zen5*.md). "product" (the driver's add_product: each partial rounded to bf16, then summed:
+// 90 ms) is not exact enough to be a default: a 2-layer BERT trained by HF Trainer with it moved its grad norms 9%
+// from the run without fastops within 10 steps (tests/test_patch_models.py), where the exact sums stay within
+// bf16's rounding. It serves a torch and CPU with none of the others. FASTOPS_CE_ACCUMULATE=mkl|avx512bf16|onednn|
+// product forces one (the tests run each).
 bool onednn_usable() {
   // mkldnn_matmul refuses fp32 without these (its bf16 device check); pick_accumulate ran __builtin_cpu_init.
   if (at::native::mkldnn_matmul == nullptr || !__builtin_cpu_supports("avx512bw") ||
@@ -434,16 +438,18 @@ bool onednn_usable() {
 
 const char* pick_accumulate() {
   __builtin_cpu_init();
-  const bool mkl = cblas_gemm_bf16bf16f32 != nullptr;
+  const bool mkl = cblas_gemm_bf16bf16f32 != nullptr, bf16 = gemm_bf16_usable();
   if (const char* env = std::getenv("FASTOPS_CE_ACCUMULATE"); env && *env) {
     const bool onednn = onednn_usable();
     if (std::strcmp(env, "product") == 0) return "product";
     if (std::strcmp(env, "mkl") == 0 && mkl) return "mkl";
+    if (std::strcmp(env, "avx512bf16") == 0 && bf16) return "avx512bf16";
     if (std::strcmp(env, "onednn") == 0 && onednn) return "onednn";
     TORCH_WARN("fastops: ignoring FASTOPS_CE_ACCUMULATE=", env, " (expected product", mkl ? ", mkl" : "",
-               onednn ? ", onednn" : "", " here)");
+               bf16 ? ", avx512bf16" : "", onednn ? ", onednn" : "", " here)");
   }
   if (mkl && __builtin_cpu_is("intel")) return "mkl";  // no oneDNN probe where it would not be picked
+  if (bf16) return "avx512bf16";
   return onednn_usable() ? "onednn" : mkl ? "mkl" : "product";
 }
 
@@ -472,6 +478,18 @@ bool accumulate_mkl(const at::Tensor& acc, const at::Tensor& a, const at::Tensor
                          reinterpret_cast<const uint16_t*>(a.const_data_ptr()), int(lda),
                          reinterpret_cast<const uint16_t*>(b.const_data_ptr()), int(ldb), first ? 0.0f : 1.0f,
                          acc.data_ptr<float>(), int(n));
+  return true;
+}
+
+// acc = a @ b (+ acc) through gemm_bf16.cpp: a a matrix with unit stride along either dimension, b row-major.
+bool accumulate_bf16(const at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, bool first) {
+  if (a.scalar_type() != at::kBFloat16 || b.scalar_type() != at::kBFloat16 || b.stride(1) != 1 ||
+      (a.stride(0) != 1 && a.stride(1) != 1) || !acc.is_contiguous() || acc.scalar_type() != at::kFloat) {
+    return false;
+  }
+  gemm_bf16_f32(reinterpret_cast<const uint16_t*>(a.const_data_ptr()), a.stride(0), a.stride(1),
+                reinterpret_cast<const uint16_t*>(b.const_data_ptr()), b.stride(0), acc.data_ptr<float>(), a.size(0),
+                b.size(1), a.size(1), first);
   return true;
 }
 
@@ -505,6 +523,7 @@ void block_grad_cpu(const at::Tensor& z, int64_t v0, int64_t v, const at::Tensor
 
 CeAccumulate accumulator(const char* how) {
   if (std::strcmp(how, "mkl") == 0) return accumulate_mkl;
+  if (std::strcmp(how, "avx512bf16") == 0) return accumulate_bf16;
   if (std::strcmp(how, "onednn") == 0) return accumulate_onednn;
   return {};
 }
@@ -519,6 +538,18 @@ const CeBackend& cpu_backend() {
 const char* ce_accumulate() {
   static const char* const how = pick_accumulate();
   return how;
+}
+
+bool ce_accumulate_with(const std::string& how, const at::Tensor& acc, const at::Tensor& a, const at::Tensor& b,
+                        bool first) {
+  const CeAccumulate f = accumulator(how.c_str());
+  TORCH_CHECK(how == "product" || f, "fastops: no partial-product way named ", how);
+  TORCH_CHECK(how != "avx512bf16" || gemm_bf16_usable(), "fastops: this CPU lacks AVX-512 BF16");
+  TORCH_CHECK(how != "mkl" || cblas_gemm_bf16bf16f32 != nullptr, "fastops: this torch exports no MKL bf16 GEMM");
+  TORCH_CHECK(how != "onednn" || onednn_usable(), "fastops: oneDNN's fp32 matmul does not serve here");
+  const bool served = f && f(acc, a, b, first);
+  if (!served) add_product(acc, a, b, first);
+  return served;
 }
 
 FASTOPS_CE_ENTRY_POINTS(cpu_backend())
