@@ -29,7 +29,8 @@ SCHEMA = ("bench", "provider", "size", "size_unit", "ms", "ms_q20", "ms_q80", "s
 # Every column a benchmark writes, with its one meaning; write_results refuses a column not named here (or
 # speedup_vs_<provider>) and copies the meanings of a file's columns into its JSON.
 COLUMNS = {
-    "bench": "what is measured: adamw, adamw_lowp, sgd, unscale, phase, prefetch, prefetch_h2d, train, parity_lowp",
+    "bench": "what is measured: adamw, adamw_lowp, sgd, unscale, phase, prefetch, prefetch_h2d, train, parity_lowp, "
+             "accumulate",
     "provider": "the implementation measured (fastops, torch_fused, ...)",
     "size": "the problem size: a number in size_unit, or a label naming the configuration when size_unit is "
             "'config'",
@@ -78,6 +79,7 @@ COLUMNS = {
     "vs_best_peer": "the fastest peer's ms (torch AMP recipe, HF Accelerate bf16, torch.compile recipe) / this row's",
     "best_peer": "the peer that vs_best_peer is against",
     "vs_fastest_explicit": "the fastest explicit fastops configuration's ms / this row's ms",
+    "gflops": "GFLOP/s of the matmul at the median: 2 m n k / ms",
 }
 
 
