@@ -362,7 +362,7 @@ def test_partial_products_each_way(how):
 @pytest.mark.parametrize("how", _EXACT_WAYS)
 def test_each_exact_way_sums_products_in_fp32(how):
     """Each exact way against fp64, at shapes that leave tails everywhere (rows not a multiple of gemm_bf16.cpp's tile
-    of 6, columns not of its 64 or of 16, odd depth and a depth past its packed 2048, a transposed a as grad_weight's
+    of 6, columns not of its 64 or of 16, odd depth and a depth past the 1024 it packs at a time, a transposed a as grad_weight's
     chunks pass it) and accumulating or not: every product of two bf16 is exact in fp32, so the only error is the
     fp32 sums', which whatever their order is at most k u / (1 - k u) of the sum of the terms' magnitudes
     (u = 2^-24, k terms: Higham's bound for any summation order, so it holds on any machine)."""
