@@ -422,7 +422,7 @@ void rows_cpu(const at::Tensor& buf, const at::Tensor& target, const at::Tensor&
 // bf16's rounding. It serves a torch and CPU with none of the others. FASTOPS_CE_ACCUMULATE=mkl|avx512bf16|onednn|
 // product forces one (the tests run each).
 bool onednn_usable() {
-  // mkldnn_matmul refuses fp32 without these (its bf16 device check); pick_accumulate ran __builtin_cpu_init.
+  // mkldnn_matmul refuses fp32 without these (its bf16 device check); serves() ran __builtin_cpu_init.
   if (at::native::mkldnn_matmul == nullptr || !__builtin_cpu_supports("avx512bw") ||
       !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq")) {
     return false;
@@ -436,21 +436,30 @@ bool onednn_usable() {
   }
 }
 
-const char* pick_accumulate() {
+constexpr const char* kWays[] = {"product", "mkl", "avx512bf16", "onednn"};
+
+// Whether the way named `how` serves with this CPU and torch (the oneDNN one runs its probe: ask only when needed).
+bool serves(const std::string& how) {
   __builtin_cpu_init();
-  const bool mkl = cblas_gemm_bf16bf16f32 != nullptr, bf16 = gemm_bf16_usable();
+  if (how == "product") return true;
+  if (how == "mkl") return cblas_gemm_bf16bf16f32 != nullptr;
+  if (how == "avx512bf16") return gemm_bf16_usable();
+  if (how == "onednn") return onednn_usable();
+  return false;
+}
+
+const char* pick_accumulate() {
   if (const char* env = std::getenv("FASTOPS_CE_ACCUMULATE"); env && *env) {
-    const bool onednn = onednn_usable();
-    if (std::strcmp(env, "product") == 0) return "product";
-    if (std::strcmp(env, "mkl") == 0 && mkl) return "mkl";
-    if (std::strcmp(env, "avx512bf16") == 0 && bf16) return "avx512bf16";
-    if (std::strcmp(env, "onednn") == 0 && onednn) return "onednn";
-    TORCH_WARN("fastops: ignoring FASTOPS_CE_ACCUMULATE=", env, " (expected product", mkl ? ", mkl" : "",
-               bf16 ? ", avx512bf16" : "", onednn ? ", onednn" : "", " here)");
+    for (const char* how : kWays) {
+      if (std::strcmp(env, how) == 0 && serves(how)) return how;
+    }
+    std::string here;
+    for (const char* how : kWays) here += serves(how) ? std::string(here.empty() ? "" : ", ") + how : "";
+    TORCH_WARN("fastops: ignoring FASTOPS_CE_ACCUMULATE=", env, " (expected ", here, " here)");
   }
-  if (mkl && __builtin_cpu_is("intel")) return "mkl";  // no oneDNN probe where it would not be picked
-  if (bf16) return "avx512bf16";
-  return onednn_usable() ? "onednn" : mkl ? "mkl" : "product";
+  if (serves("mkl") && __builtin_cpu_is("intel")) return "mkl";  // no oneDNN probe where it would not be picked
+  if (serves("avx512bf16")) return "avx512bf16";
+  return serves("onednn") ? "onednn" : serves("mkl") ? "mkl" : "product";
 }
 
 // acc = a @ b (+ acc) through oneDNN's fp32 matmul on a and b widened from bf16/fp16.
@@ -544,9 +553,7 @@ bool ce_accumulate_with(const std::string& how, const at::Tensor& acc, const at:
                         bool first) {
   const CeAccumulate f = accumulator(how.c_str());
   TORCH_CHECK(how == "product" || f, "fastops: no partial-product way named ", how);
-  TORCH_CHECK(how != "avx512bf16" || gemm_bf16_usable(), "fastops: this CPU lacks AVX-512 BF16");
-  TORCH_CHECK(how != "mkl" || cblas_gemm_bf16bf16f32 != nullptr, "fastops: this torch exports no MKL bf16 GEMM");
-  TORCH_CHECK(how != "onednn" || onednn_usable(), "fastops: oneDNN's fp32 matmul does not serve here");
+  TORCH_CHECK(serves(how), "fastops: the partial-product way ", how, " does not serve with this CPU and torch");
   const bool served = f && f(acc, a, b, first);
   if (!served) add_product(acc, a, b, first);
   return served;
