@@ -377,7 +377,9 @@ def test_each_exact_way_sums_products_in_fp32(how):
             acc = before.clone()
             try:
                 served = _backend._C.cpp.linear_ce_accumulate_with(how, acc, a, b, first)
-            except RuntimeError as e:
+            except RuntimeError as e:  # only a way this CPU or torch lacks (mkl, onednn, avx512bf16) is skipped
+                if "does not serve" not in str(e):
+                    raise
                 pytest.skip(str(e).splitlines()[0])
             assert served, (how, m, n, k, transposed)
             exact = a.double() @ b.double() + (0 if first else before.double())
