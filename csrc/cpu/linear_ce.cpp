@@ -151,15 +151,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_pass_blocks(
   const at::Tensor gw = at::empty({v, h}, w.options());
   const at::Tensor gxa = want_gx ? at::empty({m, h}, f32) : at::Tensor();
   const at::Tensor gb = want_gb ? at::empty({v}, f32) : at::Tensor();
-  for (int64_t v0 = 0; v0 < v; v0 += cols) {
+  // Backwards through the blocks: the first pass left the last block's logits in `flat` (block_stats only reads
+  // them), so one block in v / cols skips its logits' second matmul at no memory cost.
+  const int64_t last = (v - 1) / cols * cols;
+  for (int64_t v0 = last; v0 >= 0; v0 -= cols) {
     const int64_t n = std::min(cols, v - v0);
-    const at::Tensor z = logits(v0, n);
+    const at::Tensor z = v0 == last ? flat.narrow(0, 0, m * n).view({m, n}) : logits(v0, n);
     backend.block_grad(z, v0, v, target, row_grad, scale, eps, lse);
     at::Tensor gws = gw.narrow(0, v0, n);
     at::mm_out(gws, z.t(), x);
     if (want_gx) {
       const at::Tensor wb = w.narrow(0, v0, n);
-      if (!backend.accumulate || !backend.accumulate(gxa, z, wb, v0 == 0)) add_product(gxa, z, wb, v0 == 0);
+      const bool first = v0 == last;
+      if (!backend.accumulate || !backend.accumulate(gxa, z, wb, first)) add_product(gxa, z, wb, first);
     }
     if (want_gb) gb.narrow(0, v0, n).copy_(at::sum(z, {0}, false, at::kFloat));
   }
