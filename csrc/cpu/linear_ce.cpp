@@ -203,9 +203,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_pass(
   // bf16, forward + backward, the copy included): N/H = 4 and 16 at H = 256 0.90x the time, N/H = 4 at H = 1024
   // 0.95x, N/H = 2 1.01x, N/H = 1 1.16x. It holds 2VH more bytes during the call. A frozen head's chunks of 256
   // rows gain nothing from it (N = 1024, H = 256, 1 thread, the time without it: 0.92x at V = 128256 pinned,
-  // 1.00x at V = 32000), and its 2VH bytes would be as much again as their logits.
+  // 1.00x at V = 32000), and its 2VH bytes would be as much again as their logits. Without AMX oneDNN reads the
+  // transposed view as fast as the copy, which then only costs: on the AMD Zen 5 (2 threads, best of 5),
+  // 4096 x 1024 @ 1024 x 32000 took 457 ms from the view, 456 from a copy and 514 with the copy made; the whole op
+  // at N 4096, H 1024, V 32000 took 1242-1331 ms with the copy, 1171-1259 without (N 4095 alternating with 4096).
+  // The chunk plans (ce_chunk_rows, ce_vocab_block) count the copy wherever it may be made.
   at::Tensor wt = w.t();
-  if (x.device().is_cpu() && want_gw && m >= 4 * h) {
+  if (x.device().is_cpu() && want_gw && m >= 4 * h && __builtin_cpu_supports("amx-bf16")) {
     at::Tensor copy = workspace({h, v}, w.options());
     copy.copy_(wt);
     wt = copy;
