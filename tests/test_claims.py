@@ -151,7 +151,9 @@ def test_gpu_script_selects_every_gpu_case():
     left_out = sorted(gpu - selected)
     modules = sorted({nid.split("::")[0] for nid in left_out})
     assert not left_out, f"gpu_check.sh leaves out {len(left_out)} GPU cases, in {modules}: {left_out[:10]}"
-    assert {nid.split("::")[0] for nid in gpu} >= {"tests/test_ops.py"}
+    # test_ops.py has CUDA cases of every op: where this session collected it, the marking found them.
+    if any(nid.startswith("tests/test_ops.py::") for nid in claims.SESSION):
+        assert {nid.split("::")[0] for nid in gpu} >= {"tests/test_ops.py"}
 
 
 def test_gpu_script_parsing():
