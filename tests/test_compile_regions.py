@@ -183,3 +183,40 @@ def test_each_block_signature_gets_its_own_static_graph(monkeypatch):
     assert len(graphs) == 4  # (6, 8), (8, 8), (8, 16), (16, 16)
     assert all("SymInt" not in kinds for kinds in graphs), graphs
     assert got == want
+
+
+class Indexed(Block):
+    """A block that reads an int attribute of its own, as HF's layers read layer_idx (their KV cache's update)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x)) / (1 + self.index)
+
+
+def test_blocks_that_differ_in_an_int_attribute_all_compile(monkeypatch):
+    """Dynamo specializes on the int each block reads, so each compiles a graph of its own, one code object for
+    all: past the recompile limit (2 here, torch's 8 against 32 layers of a Llama) the rest would run eagerly.
+    Every block gets its graph, nothing is reported, losses as eager."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    class Model(Stack):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Indexed(i) for i in range(5))
+
+    monkeypatch.setattr(_compile, "BACKEND", capture)
+    want = _train(Model(), _stack_batches(3), False, _stack_loss)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="fastops", category=RuntimeWarning)
+        got = _train(Model(), _stack_batches(3), True, _stack_loss)
+    assert len(graphs) == 5
+    assert got == want
+    assert torch._dynamo.config.recompile_limit == 2  # raised only around the regions' calls

@@ -100,12 +100,15 @@ class _Regions:
                 self.left_eager.setdefault(why, []).append(type(module).__name__)
         self.modules = [m for m in regions if eager is None or eager(m) is None]
         self.classes = {type(m).__name__ for m in self.modules}
-        groups: dict[tuple, object] = {}
-        for module in self.modules:
-            key = signature(module)
-            if key not in groups:
-                groups[key] = torch.compile(_entry(), backend=BACKEND, dynamic=dynamic)
-            module._compiled_call_impl = self._guarded(groups[key], module._call_impl)
+        keys = [signature(module) for module in self.modules]
+        groups = {key: torch.compile(_entry(), backend=BACKEND, dynamic=dynamic) for key in keys}
+        # Dynamo specializes on the int attributes a block reads, such as HF's layer_idx (read by the KV cache's
+        # update, which runs in training too): then each block of a signature compiles a graph of its own. Past
+        # the recompile limit (8) dynamo would run the rest eagerly, silently: 4 of 12 LlamaDecoderLayers did, 24
+        # of a 32-layer model's would. Each signature's code object may compile once per block beyond that limit.
+        limits = {key: torch._dynamo.config.recompile_limit + keys.count(key) - 1 for key in groups}
+        for module, key in zip(self.modules, keys):
+            module._compiled_call_impl = self._guarded(groups[key], module._call_impl, limits[key])
         self.signatures = len(groups)
 
     def remove(self) -> None:
@@ -113,7 +116,7 @@ class _Regions:
         for module in self.modules:
             module._compiled_call_impl = None
 
-    def _guarded(self, compiled, eager):
+    def _guarded(self, compiled, eager, limit: int):
         regions = self
 
         def call(*args, **kwargs):
@@ -121,6 +124,9 @@ class _Regions:
             # the compile time.
             if regions.failed is not None or not torch.is_grad_enabled():
                 return eager(*args, **kwargs)
+            config = torch._dynamo.config
+            before = config.recompile_limit  # set and restored directly: config.patch() took 123 us a call
+            config.recompile_limit = max(before, limit)
             try:
                 return compiled(eager, *args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as e:
@@ -136,6 +142,8 @@ class _Regions:
                     stacklevel=2,
                 )
                 return eager(*args, **kwargs)
+            finally:
+                config.recompile_limit = before
 
         return call
 
@@ -147,8 +155,9 @@ class _Regions:
         graphs = self.counters["stats"]["unique_graphs"] - self.start["unique_graphs"]
         breaks = {k: v for k, v in self.counters["graph_break"].items()}
         n_breaks = sum(breaks.values()) - self.start["breaks"]
-        # One graph per signature, one more per input shape it saw, at most: more means recompiles.
-        if n_breaks == 0 and graphs <= 2 * self.signatures + 2:
+        # One graph per block (a signature's blocks may differ in an int attribute they read), one more per
+        # signature and input shape it saw, at most: more means recompiles.
+        if n_breaks == 0 and graphs <= len(self.modules) + self.signatures + 2:
             return
         reasons = "; ".join(f"{reason} ({count}x)" for reason, count in list(breaks.items())[:3])
         warnings.warn(
