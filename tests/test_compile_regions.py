@@ -220,3 +220,30 @@ def test_blocks_that_differ_in_an_int_attribute_all_compile(monkeypatch):
     assert len(graphs) == 5
     assert got == want
     assert torch._dynamo.config.recompile_limit == 2  # raised only around the regions' calls
+
+
+def test_hf_training_calls_skip_the_kv_cache_so_layers_share_a_graph(monkeypatch):
+    """A Llama's layers read layer_idx only to update the KV cache its config has training calls build: with the
+    regions compiled, training calls run without it and the three layers share one graph; losses as eager. A call
+    that asks for the cache, and an eval call, still get one."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def llama():
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)  # fmt: skip
+        return LlamaForCausalLM(cfg)
+
+    monkeypatch.setattr(_compile, "BACKEND", "eager")
+    batches = mlm_batches(3)
+    want = _train(llama(), batches, False, _hf_loss)
+    before = counters["stats"]["unique_graphs"]
+    opt_model = llama()
+    got = _train(opt_model, batches, True, _hf_loss)
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert got == pytest.approx(want, rel=1e-6)
+    assert opt_model(**batches[0]).past_key_values is None
+    assert opt_model(**batches[0], use_cache=True).past_key_values is not None
+    opt_model.eval()
+    with torch.no_grad():
+        assert opt_model(**batches[0]).past_key_values is not None
