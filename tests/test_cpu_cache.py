@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -88,11 +89,11 @@ print("ok")
 
 
 def test_fused_loss_workspace_comes_from_the_cache():
-    # The fused loss's own buffers in one chunk of rows (bf16 logits 1024 x 32000, 62.5 MiB; the weight's H x V
-    # copy, 15.6 MiB) are mapped afresh at every call on huge pages, and come from the cache once
+    # The fused loss's own buffers in one chunk of rows (bf16 logits 1024 x 32000, 62.5 MiB; on CPUs with AMX the
+    # weight's H x V copy, 15.6 MiB) are mapped afresh at every call on huge pages, and come from the cache once
     # fastops.accelerate installed it. (The op's own plan goes through the vocabulary there: 2 MiB blocks.)
     # The second call's other large block hits the cache either way (1 hit with the buffers on huge pages of their
-    # own, measured); the two buffers make it 3.
+    # own, measured); the buffers make it 2, or 3 with the copy.
     out = _run(
         """
 import torch, fastops
@@ -111,7 +112,8 @@ call()
 print(_C.cpp.cpu_cache_stats()["hits"] - hits)
 """
     )
-    assert int(out) >= 3, out
+    copy = "amx_bf16" in Path("/proc/cpuinfo").read_text().split()  # linear_ce.cpp copies the weight where AMX is
+    assert int(out) >= 2 + copy, out
 
 
 def test_threads_share_the_cache_safely():
