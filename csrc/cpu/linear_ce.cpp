@@ -430,23 +430,28 @@ void rows_cpu(const at::Tensor& buf, const at::Tensor& target, const at::Tensor&
 // bf16's rounding. It serves a torch and CPU with none of the others. FASTOPS_CE_ACCUMULATE=mkl|avx512bf16|onednn|
 // product forces one (the tests run each).
 bool onednn_usable() {
-  // mkldnn_matmul refuses fp32 without these (its bf16 device check); serves() ran __builtin_cpu_init.
-  if (at::native::mkldnn_matmul == nullptr || !__builtin_cpu_supports("avx512bw") ||
-      !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq")) {
-    return false;
-  }
-  try {  // its dtype checks are its own (torch 2.13 and 2.14 take fp32): one small product says whether it serves
-    const at::Tensor a = at::full({2, 2}, 1.5f), c = at::full({2, 2}, 1.0f);
-    at::native::mkldnn_matmul(a, a, c, 1.0f, 1.0f);
-    return c.eq(5.5f).all().item<bool>();
-  } catch (const c10::Error&) {
-    return false;
-  }
+  // Probed once per process: serves() asks at every pick and at every call of ce_accumulate_with (the benchmark's
+  // timed calls among them).
+  static const bool usable = [] {
+    // mkldnn_matmul refuses fp32 without these (its bf16 device check); serves() ran __builtin_cpu_init.
+    if (at::native::mkldnn_matmul == nullptr || !__builtin_cpu_supports("avx512bw") ||
+        !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512dq")) {
+      return false;
+    }
+    try {  // its dtype checks are its own (torch 2.13 and 2.14 take fp32): one small product says whether it serves
+      const at::Tensor a = at::full({2, 2}, 1.5f), c = at::full({2, 2}, 1.0f);
+      at::native::mkldnn_matmul(a, a, c, 1.0f, 1.0f);
+      return c.eq(5.5f).all().item<bool>();
+    } catch (const c10::Error&) {
+      return false;
+    }
+  }();
+  return usable;
 }
 
 constexpr const char* kWays[] = {"product", "mkl", "avx512bf16", "onednn"};
 
-// Whether the way named `how` serves with this CPU and torch (the oneDNN one runs its probe: ask only when needed).
+// Whether the way named `how` serves with this CPU and torch (the oneDNN one probes once: ask only when needed).
 bool serves(const std::string& how) {
   __builtin_cpu_init();
   if (how == "product") return true;
