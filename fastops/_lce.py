@@ -93,7 +93,7 @@ VOCAB_BLOCK_COLS = (256, 4096)
 def rows_held(m: int, h: int, v: int, itemsize: int, grad_weight: bool) -> int:
     """Bytes chunks of rows hold besides the inputs and the gradients returned: a chunk's logits, the fp32
     grad_weight accumulator where there are several chunks, and the weight's copy (csrc/cpu/linear_ce.cpp: where the
-    head is trained and rows >= 4 H)."""
+    head is trained and rows >= 4 H, on CPUs with AMX; counted on every CPU, so elsewhere an upper bound)."""
     rows = chunk_rows(m, h, v, itemsize, grad_weight)
     acc = 4 * v * h if grad_weight and itemsize < 4 and rows < m else 0
     return rows * v * itemsize + acc + (2 * v * h if grad_weight and m >= 4 * h else 0)

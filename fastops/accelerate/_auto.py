@@ -43,8 +43,8 @@ MIN_STEPS = 100
 # op added its fp32 grad_weight once per 2^22 logits and lost from V=32000 on: 1.10-1.19x.) Since the C++ CPU
 # backend's vocabulary blocks, every row labeled, trained head, N=1024 H=256 (bench_loss's speed-up, so above 1 is
 # faster): 1.07x-1.72x the best peer on the Xeon (results/loss_blocks.md); on an AMD Zen 5, whose exact fp32 sums
-# of partial products go through fastops' own AVX-512 BF16 GEMM (MKL's runs slow kernels there), 1.08x-1.12x from
-# V=32000 up and 0.93x at V=8000 (results/loss_zen5_bf16.md; 0.90x-0.94x and 0.77x with oneDNN's fp32 sums,
+# of partial products go through fastops' own AVX-512 BF16 GEMM (MKL's runs slow kernels there), 1.10x-1.14x from
+# V=32000 up and 0.92x at V=8000 (results/loss_zen5_bf16.md; 0.90x-0.94x and 0.77x with oneDNN's fp32 sums,
 # results/loss_zen5.md).
 MAX_LABELED_SHARE = 0.5
 ALL_ROWS_MAX_VOCAB = 151936
