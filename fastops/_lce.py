@@ -166,6 +166,9 @@ def _pass(x, w, bias, target, row_grad, scale, eps, want_gx, want_gw, want_gb, r
     m, h = x.shape
     v = w.shape[0]
     dtype = x.dtype
+    out_t = w.dtype  # grad_weight's and grad_bias's: fp32 for master weights (master_weight), left unrounded
+    if out_t != dtype:
+        w, bias = w.to(dtype), None if bias is None else bias.to(dtype)
     widen = dtype == torch.float16 and not rows_take_half
     acc_t = loss_dtype(x)
     with_grad = want_gx or want_gw or want_gb
@@ -195,7 +198,8 @@ def _pass(x, w, bias, target, row_grad, scale, eps, want_gx, want_gw, want_gb, r
                 gw = _accumulate(gw, dl, xs)
         if want_gb:
             gb += buf.sum(0, dtype=acc_t)
-    return loss, gx, w.new_empty(0) if gw is None else gw.to(dtype), w.new_empty(0) if gb is None else gb.to(dtype)
+    gw = w.new_empty(0, dtype=out_t) if gw is None else gw.to(out_t)
+    return loss, gx, gw, w.new_empty(0, dtype=out_t) if gb is None else gb.to(out_t)
 
 
 def forward(x, weight, target, bias, ignore_index, reduction, label_smoothing, normalizer, grad_x, grad_weight,
@@ -323,7 +327,9 @@ torch.library.register_autograd("fastops::linear_cross_entropy", _backward, setu
 def linear_cross_entropy(x, weight, target, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                          *, out_dtype=None, normalizer=None, chunk_rows=0):  # fmt: skip
     """``F.cross_entropy(F.linear(x, weight, bias), target, ignore_index=, reduction=, label_smoothing=)`` without
-    the logits. x: (..., H), weight: (V, H), bias: (V,) or None, target: (...) class indices.
+    the logits. x: (..., H), weight: (V, H), bias: (V,) or None, target: (...) class indices. weight and bias
+    have x's dtype, or are fp32 where x is bf16/fp16 (master weights: the matmuls run in x's dtype on a cast the op
+    makes a block at a time, and grad_weight comes back fp32).
 
     The loss has x's dtype unless ``out_dtype`` says otherwise (torch.float32: what cross_entropy returns under
     autocast; it is accumulated in fp32 either way); a mean over no labeled row is nan, as torch's. Gradients are

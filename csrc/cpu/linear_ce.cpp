@@ -130,20 +130,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_pass_blocks(
   const int64_t m = x.size(0), h = x.size(1), v = w.size(0);
   const at::TensorOptions f32 = x.options().dtype(at::kFloat);
   const at::Tensor flat = workspace({m * cols}, x.options());
-  const auto logits = [&](int64_t v0, int64_t n) {
+  // fp32 master weights are cast a block at a time (twice: once per pass), never whole: a whole cast would hold
+  // 2VH bytes more during the call, and the cache would keep them resident after it.
+  const bool master = w.scalar_type() != x.scalar_type();
+  const auto in_x_dtype = [&](const at::Tensor& t) { return master ? t.to(x.scalar_type()) : t; };
+  const auto logits = [&](int64_t v0, int64_t n, const at::Tensor& wb) {
     at::Tensor z = flat.narrow(0, 0, m * n).view({m, n});
-    const at::Tensor wb = w.narrow(0, v0, n).t();
     if (bias.has_value()) {
-      at::addmm_out(z, bias->narrow(0, v0, n), x, wb);
+      at::addmm_out(z, in_x_dtype(bias->narrow(0, v0, n)), x, wb.t());
     } else {
-      at::mm_out(z, x, wb);
+      at::mm_out(z, x, wb.t());
     }
     return z;
   };
   const at::Tensor mx = at::full({m}, -std::numeric_limits<float>::infinity(), f32);
   const at::Tensor s = at::zeros({m}, f32), zs = at::zeros({m}, f32), zt = at::zeros({m}, f32);
   for (int64_t v0 = 0; v0 < v; v0 += cols) {
-    backend.block_stats(logits(v0, std::min(cols, v - v0)), v0, target, mx, s, zs, zt);
+    const int64_t n = std::min(cols, v - v0);
+    backend.block_stats(logits(v0, n, in_x_dtype(w.narrow(0, v0, n))), v0, target, mx, s, zs, zt);
   }
   const at::Tensor lse = mx + s.log();
   at::Tensor loss = (lse - zt) * (1 - eps);  // as the row pass: in log-probabilities, exactly 0 at V = 1
@@ -156,37 +160,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_pass_blocks(
   const int64_t last = (v - 1) / cols * cols;
   for (int64_t v0 = last; v0 >= 0; v0 -= cols) {
     const int64_t n = std::min(cols, v - v0);
-    const at::Tensor z = v0 == last ? flat.narrow(0, 0, m * n).view({m, n}) : logits(v0, n);
+    const at::Tensor wb = in_x_dtype(w.narrow(0, v0, n));
+    const at::Tensor z = v0 == last ? flat.narrow(0, 0, m * n).view({m, n}) : logits(v0, n, wb);
     backend.block_grad(z, v0, v, target, row_grad, scale, eps, lse);
     at::Tensor gws = gw.narrow(0, v0, n);
-    at::mm_out(gws, z.t(), x);
+    if (master) {
+      add_product(gws, z.t(), x, true);  // the same bf16 matmul, its block widened while in cache
+    } else {
+      at::mm_out(gws, z.t(), x);
+    }
     if (want_gx) {
-      const at::Tensor wb = w.narrow(0, v0, n);
       const bool first = v0 == last;
       if (!backend.accumulate || !backend.accumulate(gxa, z, wb, first)) add_product(gxa, z, wb, first);
     }
     if (want_gb) gb.narrow(0, v0, n).copy_(at::sum(z, {0}, false, at::kFloat));
   }
   const at::Tensor none = at::empty({0}, x.options());
-  return {loss, want_gx ? gxa.to(x.scalar_type()) : none, gw, want_gb ? gb.to(x.scalar_type()) : none};
+  return {loss, want_gx ? gxa.to(x.scalar_type()) : none, gw,
+          want_gb ? gb.to(w.scalar_type()) : at::empty({0}, w.options())};
 }
 
 // The pass over labeled rows: per-row losses (fp32 or fp64) and the asked-for gradients of
-// sum_rows loss * scale * row_grad (grad_weight and grad_bias in the params' dtype).
+// sum_rows loss * scale * row_grad (grad_weight and grad_bias in the params' dtype: fp32 master weights under
+// bf16/fp16 x get them unrounded, with the matmuls in x's dtype).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_pass(
-    const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, const at::Tensor& target,
+    const at::Tensor& x, const at::Tensor& w_param, const std::optional<at::Tensor>& bias_param, const at::Tensor& target,
     const at::Tensor& row_grad, double scale, double eps, bool want_gx, bool want_gw, bool want_gb,
     int64_t chunk_rows, const CeBackend& backend) {
-  const int64_t m = x.size(0), h = x.size(1), v = w.size(0);
+  const int64_t m = x.size(0), h = x.size(1), v = w_param.size(0);
   const at::ScalarType dtype = x.scalar_type();
+  const at::ScalarType out_t = w_param.scalar_type();
   const bool widen = dtype == at::kHalf && !backend.rows_take_half;
   const at::ScalarType acc_t = dtype == at::kDouble ? at::kDouble : at::kFloat;
   const at::TensorOptions acc_opts = x.options().dtype(acc_t);
   const bool with_grad = want_gx || want_gw || want_gb;
   if (chunk_rows <= 0 && dtype == at::kBFloat16 && backend.block_stats && backend.block_grad) {
     const int64_t cols = ce_vocab_block(m, h, v, at::elementSize(dtype), want_gw);
-    if (cols > 0) return ce_pass_blocks(x, w, bias, target, row_grad, scale, eps, want_gx, want_gb, cols, backend);
+    if (cols > 0) {
+      return ce_pass_blocks(x, w_param, bias_param, target, row_grad, scale, eps, want_gx, want_gb, cols, backend);
+    }
   }
+  const at::Tensor w = w_param.to(dtype);
+  const std::optional<at::Tensor> bias =
+      bias_param.has_value() ? std::optional<at::Tensor>(bias_param->to(dtype)) : bias_param;
   const int64_t rows = std::min(
       m, chunk_rows > 0 ? chunk_rows : ce_chunk_rows(m, h, v, at::elementSize(dtype), want_gw));
   const bool one_chunk = rows >= m;
@@ -260,11 +276,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_pass(
     if (want_gb) gb.add_(at::sum(buf, {0}, false, acc_t));
   }
   if (!want_gw) {
-    gw = at::empty({0}, w.options());
-  } else if (gw.scalar_type() != dtype) {
-    gw = gw.to(dtype);
+    gw = at::empty({0}, w_param.options());
+  } else if (gw.scalar_type() != out_t) {
+    gw = gw.to(out_t);
   }
-  gb = want_gb ? gb.to(dtype) : at::empty({0}, w.options());
+  gb = want_gb ? gb.to(out_t) : at::empty({0}, w_param.options());
   return {loss, gx, gw, gb};
 }
 

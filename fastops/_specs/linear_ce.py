@@ -3,13 +3,14 @@ the gradients asked for, without ever holding the N x V logits.
 
 ``linear_cross_entropy(x, weight, target, bias, ignore_index, reduction, label_smoothing, normalizer, grad_x,
 grad_weight, grad_bias, chunk_rows) -> (loss, grad_x, grad_weight, grad_bias)``
-    x: (..., H), weight: (V, H), bias: (V,) or None, target: (...) int64/int32 class indices, rows whose target is
+    x: (..., H), weight: (V, H), bias: (V,) or None, in x's dtype (weight and bias may be fp32 under bf16/fp16 x:
+    ``master_weight``), target: (...) int64/int32 class indices, rows whose target is
     ``ignore_index`` dropped; ``reduction`` is torch's Reduction enum (0 none, 1 mean, 2 sum), as aten's
     cross_entropy_loss takes it. The loss is F.cross_entropy's with ``label_smoothing``, kept in fp32 (fp64 for
     fp64 inputs): per row for ``reduction="none"``, else the sum, or the mean over the labeled rows, or, where
     ``normalizer`` > 0, the sum divided by ``normalizer`` (a batch split into micro-batches then normalises over
     the whole batch's labeled count, as one large batch would). For "mean" and "sum" the gradients whose flag is
-    set come back with the loss (the loss's own, before any incoming gradient), in the inputs' dtype; the others,
+    set come back with the loss (the loss's own, before any incoming gradient), each in its input's dtype; the others,
     and all of them for "none", are empty (0,) tensors. ``chunk_rows`` > 0 fixes the rows of logits held at once;
     0 lets the op choose (fastops/_lce.py's chunk_rows()).
 ``linear_cross_entropy_backward(grad_loss, x, weight, target, bias, ignore_index, reduction, label_smoothing,
@@ -48,6 +49,13 @@ def loss_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def master_weight(x, weight) -> bool:
+    """An fp32 weight (and bias) under bf16/fp16 x: the matmuls run in x's dtype on its cast, made by the op a block
+    at a time where it can, and grad_weight comes back fp32, ready to be the param's .grad (what autocast's cast
+    would hand back after its own copy)."""
+    return weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def check_inputs(x, weight, target, bias) -> None:
     """Shapes, dtypes and devices (metadata only: fake tensors pass through the same checks)."""
     # Not tensors at all: the schema refuses them first ("Expected a value of type 'Tensor' for argument 'x'").
@@ -56,13 +64,14 @@ def check_inputs(x, weight, target, bias) -> None:
                        f"x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     torch._check_value(weight.shape[1] == x.shape[-1], lambda: f"{OP}: x has hidden size {x.shape[-1]} but weight "
                        f"{tuple(weight.shape)} expects {weight.shape[1]}")
-    torch._check_type(weight.dtype == x.dtype, lambda: f"{OP}: weight has dtype {weight.dtype} but x has {x.dtype}; "
-                      "cast them to one dtype")
+    torch._check_type(weight.dtype == x.dtype or master_weight(x, weight), lambda: f"{OP}: weight has dtype "
+                      f"{weight.dtype} but x has {x.dtype}; weight takes x's dtype, or float32 where x is bf16/fp16")
     torch._check_value(weight.device == x.device, lambda: f"{OP}: weight is on {weight.device} but x is on {x.device}")
     if bias is not None:
         torch._check_value(tuple(bias.shape) == (weight.shape[0],), lambda: f"{OP}: bias has shape "
                            f"{tuple(bias.shape)}; expected ({weight.shape[0]},)")
-        torch._check_type(bias.dtype == x.dtype, lambda: f"{OP}: bias has dtype {bias.dtype} but x has {x.dtype}")
+        torch._check_type(bias.dtype == weight.dtype, lambda: f"{OP}: bias has dtype {bias.dtype} but weight has "
+                          f"{weight.dtype}")
         torch._check_value(bias.device == x.device, lambda: f"{OP}: bias is on {bias.device} but x is on {x.device}")
     torch._check_type(target.dtype in (torch.int64, torch.int32), lambda: f"{OP}: target has dtype {target.dtype}; "
                       "expected int64 class indices")
@@ -126,22 +135,25 @@ def fake_backward(grad_loss, x, weight, target, bias, ignore_index, reduction, l
     return gx, gw, gb
 
 
-def tensors(n, h, v, dtype=torch.float32, labeled=0.5, bias=True, seed=0, scale=1.0, ignore_index=-100):
-    """x (n, h) ~ scale N(0, 1), weight (v, h) ~ N(0, 1/h), bias ~ 0.1 N(0, 1) or None, target with the fraction
-    ``labeled`` of rows labeled (the others ``ignore_index``)."""
+def tensors(n, h, v, dtype=torch.float32, labeled=0.5, bias=True, seed=0, scale=1.0, ignore_index=-100,
+            weight_dtype=None):  # fmt: skip
+    """x (n, h) ~ scale N(0, 1), weight (v, h) ~ N(0, 1/h), bias ~ 0.1 N(0, 1) or None (in ``weight_dtype``, else
+    x's), target with the fraction ``labeled`` of rows labeled (the others ``ignore_index``)."""
     g = torch.Generator().manual_seed(seed)
+    wd = weight_dtype or dtype
     x = (torch.randn(n, h, generator=g) * scale).to(dtype)
-    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(dtype)
-    b = (torch.randn(v, generator=g) * 0.1).to(dtype) if bias else None
+    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(wd)
+    b = (torch.randn(v, generator=g) * 0.1).to(wd) if bias else None
     t = torch.randint(0, v, (n,), generator=g)
     t[torch.rand(n, generator=g) >= labeled] = ignore_index
     return x, w, b, t
 
 
 def inputs(n, h, v, dtype=torch.float32, labeled=0.5, bias=True, seed=0, reduction="mean", label_smoothing=0.0,
-           normalizer=0.0, grads=(True, True, True), chunk_rows=0, ignore_index=-100, device="cpu") -> list:
+           normalizer=0.0, grads=(True, True, True), chunk_rows=0, ignore_index=-100, device="cpu",
+           weight_dtype=None) -> list:  # fmt: skip
     """The 12 positional arguments of linear_cross_entropy."""
-    x, w, b, t = tensors(n, h, v, dtype, labeled, bias, seed, ignore_index=ignore_index)
+    x, w, b, t = tensors(n, h, v, dtype, labeled, bias, seed, ignore_index=ignore_index, weight_dtype=weight_dtype)
     red = REDUCTIONS.index(reduction)
     return on(device, [x, w, t, b, ignore_index, red, label_smoothing, normalizer, *grads, chunk_rows])
 
@@ -168,6 +180,11 @@ def sample_inputs(device="cpu") -> Iterator[Sample]:
     yield Sample("fp64-no-grads-ignore-0", inputs(8, 4, 13, torch.float64, grads=(False, False, False),
                                                   ignore_index=0, device=device))
     yield Sample("fp32-all-ignored", inputs(6, 4, 9, labeled=0.0, reduction="sum", device=device))  # mean: nan
+    # fp32 master weights under bf16 x, in chunks of rows and (64 x 768 > 3 x 2^15: ce_vocab_block) in blocks.
+    yield Sample("bf16-x-fp32-weight-chunks", inputs(12, 8, 37, torch.bfloat16, chunk_rows=5,
+                                                     weight_dtype=torch.float32, device=device))
+    yield Sample("bf16-x-fp32-weight-all-labeled", inputs(64, 16, 768, torch.bfloat16, labeled=1.0, bias=False,
+                                                          weight_dtype=torch.float32, device=device))
 
 
 def backward_samples(device="cpu") -> Iterator[Sample]:
@@ -175,18 +192,23 @@ def backward_samples(device="cpu") -> Iterator[Sample]:
     yield Sample("bf16-mean-frozen-head", backward_inputs(10, 16, 40, torch.bfloat16, reduction="mean",
                                                           grads=(True, False, True), device=device))
     yield Sample("fp32-sum-no-bias", backward_inputs(9, 8, 30, reduction="sum", bias=False, device=device))
+    yield Sample("fp16-x-fp32-weight-none", backward_inputs(10, 8, 33, torch.float16, weight_dtype=torch.float32,
+                                                            device=device))
 
 
 def _bad_cases(device):
     """(case, message, error, change) for the checks both ops share; ``change`` rewrites the forward's arguments."""
     d = inputs(1, 1, 1, device=device)[0].device  # "cuda:0" where the argument says "cuda"
     return [
-        ("weight dtype", f"{OP}: weight has dtype torch.float64 but x has torch.float32; cast them to one dtype",
-         TypeError, lambda a: a.__setitem__(1, a[1].double())),
+        ("weight dtype", f"{OP}: weight has dtype torch.float64 but x has torch.float32; weight takes x's dtype, or "
+         "float32 where x is bf16/fp16", TypeError, lambda a: a.__setitem__(1, a[1].double())),
+        ("fp32 x, bf16 weight", f"{OP}: weight has dtype torch.bfloat16 but x has torch.float32; weight takes x's "
+         "dtype, or float32 where x is bf16/fp16", TypeError,
+         lambda a: (a.__setitem__(1, a[1].bfloat16()), a.__setitem__(3, a[3].bfloat16()))),
         ("hidden size", f"{OP}: x has hidden size 8 but weight (30, 7) expects 7", ValueError,
          lambda a: a.__setitem__(1, a[1][:, :7])),
         ("bias shape", f"{OP}: bias has shape (3,); expected (30,)", ValueError, lambda a: a.__setitem__(3, a[3][:3])),
-        ("bias dtype", f"{OP}: bias has dtype torch.float16 but x has torch.float32", TypeError,
+        ("bias dtype", f"{OP}: bias has dtype torch.float16 but weight has torch.float32", TypeError,
          lambda a: a.__setitem__(3, a[3].half())),
         ("target shape", f"{OP}: target has shape (5,) but x (10, 8) needs (10,)", ValueError,
          lambda a: a.__setitem__(2, a[2][:5])),

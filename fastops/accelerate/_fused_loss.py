@@ -30,6 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._specs.linear_ce import master_weight
+
 _ACTIVE = threading.local()  # set while a prepared model's forward runs with labels in training
 _META = {"size", "dim", "numel", "__len__", "is_floating_point", "get_device", "is_contiguous", "stride"}
 _PROPERTIES = {"shape", "dtype", "device", "ndim", "is_cuda", "layout", "is_sparse"}
@@ -123,18 +125,21 @@ class _Logits(torch.Tensor):
             return func(*args, **kwargs)
 
 
-# Stand-ins over the head's params themselves (fp32, no cast): before any optimizer step changes those in place,
-# they take a copy, so logits read after optimizer.step() are still the ones of their forward. Under autocast the
-# stand-in holds the bf16 cast of the weights (the one the fused op uses), which no step changes.
+# Stand-ins hold the head's params themselves, uncast (the fused op casts fp32 master weights itself, a block at a
+# time): before any optimizer step changes those in place, they take a copy in the dtype their logits are computed
+# in, so logits read after optimizer.step() are still the ones of their forward.
 _UNCAST: weakref.WeakSet = weakref.WeakSet()
 _hooked = []
 
 
 def _before_step(optimizer, args, kwargs) -> None:
+    copies: dict = {}  # one copy per param and dtype, shared by the stand-ins over it
+    copy = (lambda t, dtype: None if t is None else
+            copies.setdefault((id(t), dtype), t.detach().to(dtype, copy=True)))  # fmt: skip
     for stand in list(_UNCAST):
         if stand._real is None:
             x, weight, bias = stand._parts
-            stand._parts = (x, weight.detach().clone(), None if bias is None else bias.detach().clone())
+            stand._parts = (x, copy(weight, stand._compute), copy(bias, stand._compute))
     _UNCAST.clear()
 
 
@@ -186,11 +191,18 @@ def _cross_entropy(stand: _Logits, target, weight=None, size_average=None, ignor
     if mode == "compiled":
         return _compiled_cross_entropy(owner, cast(x), cast(w), cast(b), target, ignore_index, reduction,
                                        label_smoothing)
+    x = cast(x)
+    if not (master_weight(x, w) and (b is None or b.dtype == w.dtype)):
+        w, b = cast(w), cast(b)
+    # fp32 master weights go in uncast: the op casts them a block at a time, and its grad_weight (fp32) becomes the
+    # param's .grad as it is. autocast's cast would hold a bf16 copy of the weight, the op a bf16 grad_weight until
+    # the backward, and the backward a cast of that back to fp32: on the Llama benchmark (train_cases.py, 1 thread,
+    # AMD Zen 5) they held 31 MiB of the step's peak.
     # The loss is what cross_entropy gives on logits rounded to stand.dtype: the op's row pass runs in fp32 on
     # logits rounded to the matmul dtype, which is stand.dtype or finer (HF upcasts to fp32 before the loss).
     # cross_entropy runs in fp32 under autocast, and otherwise returns its logits' dtype (fp32 where HF upcasts).
     out_dtype = torch.float32 if torch.is_autocast_enabled(x.device.type) else stand.dtype
-    return linear_cross_entropy(cast(x), cast(w), target, bias=cast(b), ignore_index=ignore_index,
+    return linear_cross_entropy(x, w, target, bias=b, ignore_index=ignore_index,
                                 reduction=reduction, label_smoothing=label_smoothing, out_dtype=out_dtype)
 
 
@@ -258,10 +270,8 @@ class FusedHead:
                     dtype = torch.get_autocast_dtype(x.device.type)
                 else:
                     dtype = torch.promote_types(x.dtype, self.weight.dtype)
-                # Cast here, as autocast's F.linear would: the fused op and a later read both take this copy.
-                weight = self.weight.to(dtype)
-                bias = None if self.bias is None else self.bias.to(dtype)
-                return _Logits(x, weight, bias, dtype, dtype, owner=owner)
+                # The params uncast: the fused op takes fp32 ones as they are, the rest casts where it is used.
+                return _Logits(x, self.weight, self.bias, dtype, dtype, owner=owner)
             return head_forward(x)
 
         head.forward = types.MethodType(forward, head)
