@@ -247,3 +247,42 @@ def test_hf_training_calls_skip_the_kv_cache_so_layers_share_a_graph(monkeypatch
     opt_model.eval()
     with torch.no_grad():
         assert opt_model(**batches[0]).past_key_values is not None
+
+
+PROBE_SCRIPT = """
+import json, sys
+import torch._inductor.cpp_builder as builder
+from torch._inductor import cpu_vec_isa
+from fastops.accelerate import _compile
+
+threads = _compile.probe_vector_isas() if sys.argv[1] == "probe" else []
+_compile._await_probes()
+builds = []
+run = builder._run_compile_cmd
+builder._run_compile_cmd = lambda *a, **k: (builds.append(a[0]), run(*a, **k))[1]
+picked = cpu_vec_isa.pick_vec_isa()
+print(json.dumps({"threads": len(threads), "builds_after": len(builds), "picked": str(picked),
+                  "flags": picked.build_arch_flags(), "valid": [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]}))
+"""
+
+
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="inductor's ISA checks are x86's")
+def test_vector_isa_probes_give_inductor_its_own_answer(tmp_path):
+    """The probes started by compile_regions are inductor's own checks: after them inductor builds nothing more to
+    pick its ISA, and it picks what a process without them picks (each process with a new inductor cache)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = {}
+    for mode in ("probe", "plain"):
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / mode))
+        done = subprocess.run([sys.executable, "-c", PROBE_SCRIPT, mode], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        out[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    probe, plain = out["probe"], out["plain"]
+    assert probe["threads"] >= len(plain["valid"]) >= 1  # every ISA the CPU flags name; the valid ones among them
+    assert probe["builds_after"] == 0 < plain["builds_after"]
+    assert (probe["picked"], probe["flags"], probe["valid"]) == (plain["picked"], plain["flags"], plain["valid"])

@@ -20,6 +20,8 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import platform
+import threading
 import types
 import warnings
 
@@ -141,6 +143,8 @@ class _Regions:
         self.signatures = len(groups)
         if self.modules:
             _no_cache_in_training(model, self)
+            if BACKEND == "inductor" and all(p.device.type == "cpu" for p in model.parameters()):
+                probe_vector_isas()
 
     def remove(self) -> None:
         """Every region eager again (before its first call: nothing was compiled)."""
@@ -156,6 +160,8 @@ class _Regions:
             # the compile time.
             if regions.failed is not None or not torch.is_grad_enabled():
                 return eager(*args, **kwargs)
+            if _probes:
+                _await_probes()
             config = torch._dynamo.config
             before = config.recompile_limit  # set and restored directly: config.patch() took 123 us a call
             config.recompile_limit = max(before, limit)
@@ -200,6 +206,52 @@ class _Regions:
             RuntimeWarning,
             stacklevel=2,
         )
+
+
+_probes: list[threading.Thread] = []  # running, until the first compiled call waits for them
+_probed = False
+
+
+def probe_vector_isas() -> list[threading.Thread]:
+    """Starts inductor's checks of the CPU's vector ISAs, one thread each, and returns the threads (once per
+    process; later calls return what is still running).
+
+    Inductor makes these checks inside the first compile of a CPU kernel, one ISA after another: each builds a test
+    library with that ISA's flags and loads it in a fresh Python. With a new inductor cache (a new machine, a
+    cleared /tmp) the three of an AMD Zen 5 (AVX-512 with VNNI, AVX-512, AVX2) took 3.4-4.1 s each. Run side by
+    side from ``accelerate()`` on, they overlap each other and whatever the script does before its first forward.
+    The results are inductor's own, cached in the ISA objects; the first compiled call waits for the threads
+    (``_await_probes``), so the compile never checks an ISA while a thread does (VecAVX512's check changes the
+    object's flags for a while)."""
+    global _probed
+    if _probed or platform.machine() not in ("x86_64", "AMD64"):
+        return list(_probes)
+    _probed = True
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        have = cpu_vec_isa.x86_isa_checker()
+        isas = [isa for isa in cpu_vec_isa.supported_vec_isa_list
+                if str(isa).split() and all(flag in have for flag in str(isa).split())]
+    except (ImportError, AttributeError, TypeError):  # another torch's internals: its compile checks them as before
+        return _probes
+
+    def check(isa) -> None:
+        try:
+            bool(isa)
+        except Exception:  # noqa: BLE001 - the compile's own check raises it again, in the caller's thread
+            pass
+
+    for isa in isas:
+        thread = threading.Thread(target=check, args=(isa,), name=f"fastops-probe-{isa}", daemon=True)
+        thread.start()
+        _probes.append(thread)
+    return list(_probes)
+
+
+def _await_probes() -> None:
+    while _probes:
+        _probes.pop().join()
 
 
 def compile_regions(model: nn.Module, dynamic: bool | None = None, eager=None) -> _Regions:
