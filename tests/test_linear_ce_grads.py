@@ -196,3 +196,28 @@ def test_bad_options_raise_through_the_wrapper():
         fastops.linear_cross_entropy(x, w, t, reduction="sum", normalizer=4)
     with pytest.raises(RuntimeError, match="Expected a value of type 'Tensor' for argument 'x'"):
         fastops.linear_cross_entropy(x.tolist(), w, t)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("shape", [(64, 16, 768, 0, 1.0), (40, 8, 70, 7, 0.6), (20, 8, 70, 0, 0.6)],
+                         ids=["all-labeled", "chunks", "one-chunk"])
+def test_fp32_master_weight_is_the_cast_weight_with_an_fp32_grad(backend, shape, reduction):
+    """An fp32 weight and bias under bf16 x compute what their bf16 cast computes (the C++ backend casts a
+    vocabulary block at a time where all rows are labeled), and grad_weight and grad_bias come back in fp32: rounded
+    to bf16 they are the cast call's bit for bit (rounded once from the same fp32 sums)."""
+    n, h, v, chunk, labeled = shape
+    x, w, b, t = spec.tensors(n, h, v, torch.bfloat16, labeled=labeled, seed=3, weight_dtype=torch.float32)
+    master = _leaves(x, w, b, (True, True, True))
+    cast = [master[0].detach().clone().requires_grad_(), *(p.detach().bfloat16().requires_grad_() for p in master[1:])]
+    losses = [fastops.linear_cross_entropy(a, wt, t, bias=bt, reduction=reduction, chunk_rows=chunk)
+              for a, wt, bt in (master, cast)]
+    # A reduced loss's gradient scales the fused forward's gradients in their dtype, rounding the bf16 ones again:
+    # loss.backward()'s 1 leaves them as they are.
+    g = torch.rand(losses[0].shape) if reduction == "none" else torch.ones(())
+    for loss in losses:
+        (loss * g).sum().backward()
+    assert torch.equal(losses[0], losses[1])
+    assert torch.equal(master[0].grad, cast[0].grad)
+    for p, q in zip(master[1:], cast[1:]):
+        assert p.grad.dtype == torch.float32
+        assert torch.equal(p.grad.bfloat16(), q.grad)
