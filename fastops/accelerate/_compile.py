@@ -221,8 +221,10 @@ def probe_vector_isas() -> list[threading.Thread]:
     cleared /tmp) the three of an AMD Zen 5 (AVX-512 with VNNI, AVX-512, AVX2) took 3.4-4.1 s each. Run side by
     side from ``accelerate()`` on, they overlap each other and whatever the script does before its first forward.
     The results are inductor's own, cached in the ISA objects; the first compiled call waits for the threads
-    (``_await_probes``), so the compile never checks an ISA while a thread does (VecAVX512's check changes the
-    object's flags for a while)."""
+    (``_await_probes``), so its compile never checks an ISA while a thread does (VecAVX512's check changes the
+    object's flags for a while). A compile of the script's own that starts before that call may check one beside a
+    thread: twice the work, and at worst the AVX-512 BF16 flag left on the AVX-512 ISA's flags of a CPU that has
+    it."""
     global _probed
     if _probed or platform.machine() not in ("x86_64", "AMD64"):
         return list(_probes)
