@@ -131,6 +131,10 @@ class _Regions:
                 self.left_eager.setdefault(why, []).append(type(module).__name__)
         self.modules = [m for m in regions if eager is None or eager(m) is None]
         self.classes = {type(m).__name__ for m in self.modules}
+        # Inductor's ISA checks, side by side at the first compiled call (not here: a short run may still turn the
+        # compile off, and the checks would then compete with its steps for nothing).
+        self.probe = bool(self.modules) and BACKEND == "inductor" and all(
+            p.device.type == "cpu" for p in model.parameters())
         keys = [signature(module) for module in self.modules]
         groups = {key: torch.compile(_entry(), backend=BACKEND, dynamic=dynamic) for key in keys}
         # Dynamo specializes on the int attributes a block reads, such as HF's layer_idx (read by the KV cache's
@@ -143,8 +147,6 @@ class _Regions:
         self.signatures = len(groups)
         if self.modules:
             _no_cache_in_training(model, self)
-            if BACKEND == "inductor" and all(p.device.type == "cpu" for p in model.parameters()):
-                probe_vector_isas()
 
     def remove(self) -> None:
         """Every region eager again (before its first call: nothing was compiled)."""
@@ -160,7 +162,9 @@ class _Regions:
             # the compile time.
             if regions.failed is not None or not torch.is_grad_enabled():
                 return eager(*args, **kwargs)
-            if _probes:
+            if regions.probe:
+                regions.probe = False
+                probe_vector_isas()
                 _await_probes()
             config = torch._dynamo.config
             before = config.recompile_limit  # set and restored directly: config.patch() took 123 us a call
@@ -208,7 +212,7 @@ class _Regions:
         )
 
 
-_probes: list[threading.Thread] = []  # running, until the first compiled call waits for them
+_probes: list[threading.Thread] = []  # running, until _await_probes
 _probed = False
 
 
@@ -218,13 +222,10 @@ def probe_vector_isas() -> list[threading.Thread]:
 
     Inductor makes these checks inside the first compile of a CPU kernel, one ISA after another: each builds a test
     library with that ISA's flags and loads it in a fresh Python. With a new inductor cache (a new machine, a
-    cleared /tmp) the three of an AMD Zen 5 (AVX-512 with VNNI, AVX-512, AVX2) took 3.4-4.1 s each. Run side by
-    side from ``accelerate()`` on, they overlap each other and whatever the script does before its first forward.
-    The results are inductor's own, cached in the ISA objects; the first compiled call waits for the threads
-    (``_await_probes``), so its compile never checks an ISA while a thread does (VecAVX512's check changes the
-    object's flags for a while). A compile of the script's own that starts before that call may check one beside a
-    thread: twice the work, and at worst the AVX-512 BF16 flag left on the AVX-512 ISA's flags of a CPU that has
-    it."""
+    cleared /tmp) the three of an AMD Zen 5 (AVX-512 with VNNI, AVX-512, AVX2) took 3.4-4.1 s each; side by side
+    they take the time of the slowest. The results are inductor's own, cached in the ISA objects. The first
+    compiled call starts them and waits for them (``_await_probes``) before it compiles, so its compile never
+    checks an ISA while a thread does (VecAVX512's check changes the object's flags for a while)."""
     global _probed
     if _probed or platform.machine() not in ("x86_64", "AMD64"):
         return list(_probes)
