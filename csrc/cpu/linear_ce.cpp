@@ -184,9 +184,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_pass_blocks(
 // sum_rows loss * scale * row_grad (grad_weight and grad_bias in the params' dtype: fp32 master weights under
 // bf16/fp16 x get them unrounded, with the matmuls in x's dtype).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_pass(
-    const at::Tensor& x, const at::Tensor& w_param, const std::optional<at::Tensor>& bias_param, const at::Tensor& target,
-    const at::Tensor& row_grad, double scale, double eps, bool want_gx, bool want_gw, bool want_gb,
-    int64_t chunk_rows, const CeBackend& backend) {
+    const at::Tensor& x, const at::Tensor& w_param, const std::optional<at::Tensor>& bias_param,
+    const at::Tensor& target, const at::Tensor& row_grad, double scale, double eps, bool want_gx, bool want_gw,
+    bool want_gb, int64_t chunk_rows, const CeBackend& backend) {
   const int64_t m = x.size(0), h = x.size(1), v = w_param.size(0);
   const at::ScalarType dtype = x.scalar_type();
   const at::ScalarType out_t = w_param.scalar_type();

@@ -222,8 +222,9 @@ def probe_vector_isas() -> list[threading.Thread]:
 
     Inductor makes these checks inside the first compile of a CPU kernel, one ISA after another: each builds a test
     library with that ISA's flags and loads it in a fresh Python. With a new inductor cache (a new machine, a
-    cleared /tmp) the three of an AMD Zen 5 (AVX-512 with VNNI, AVX-512, AVX2) took 3.4-4.1 s each; side by side
-    they take the time of the slowest. The results are inductor's own, cached in the ISA objects. The first
+    cleared /tmp) the three of an AMD Zen 5 (AVX-512 with VNNI, AVX-512, AVX2) took 3.4-4.1 s each. Side by side
+    on its 2 cores, the Llama benchmark's accelerate() and first step (1 thread) took 14.8-20.2 s, median 16.3 over 7
+    runs, against 17.3-21.0, median 18.8, without. The results are inductor's own, cached in the ISA objects. The first
     compiled call starts them and waits for them (``_await_probes``) before it compiles, so its compile never
     checks an ISA while a thread does (VecAVX512's check changes the object's flags for a while)."""
     global _probed
@@ -237,7 +238,7 @@ def probe_vector_isas() -> list[threading.Thread]:
         isas = [isa for isa in cpu_vec_isa.supported_vec_isa_list
                 if str(isa).split() and all(flag in have for flag in str(isa).split())]
     except (ImportError, AttributeError, TypeError):  # another torch's internals: its compile checks them as before
-        return _probes
+        return []
 
     def check(isa) -> None:
         try:
