@@ -134,8 +134,12 @@ _hooked = []
 
 def _before_step(optimizer, args, kwargs) -> None:
     copies: dict = {}  # one copy per param and dtype, shared by the stand-ins over it
-    copy = (lambda t, dtype: None if t is None else
-            copies.setdefault((id(t), dtype), t.detach().to(dtype, copy=True)))  # fmt: skip
+
+    def copy(t, dtype):
+        if t is not None and (id(t), dtype) not in copies:
+            copies[id(t), dtype] = t.detach().to(dtype, copy=True)
+        return None if t is None else copies[id(t), dtype]
+
     for stand in list(_UNCAST):
         if stand._real is None:
             x, weight, bias = stand._parts
