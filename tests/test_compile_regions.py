@@ -268,8 +268,9 @@ print(json.dumps({"threads": len(threads), "builds_after": len(builds), "picked"
 
 @pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="inductor's ISA checks are x86's")
 def test_vector_isa_probes_give_inductor_its_own_answer(tmp_path):
-    """The probes started by compile_regions are inductor's own checks: after them inductor builds nothing more to
-    pick its ISA, and it picks what a process without them picks (each process with a new inductor cache)."""
+    """The probes the regions' first compiled call starts are inductor's own checks: after them inductor builds
+    nothing more to pick its ISA, and it picks what a process without them picks (each process with a new inductor
+    cache)."""
     import json
     import os
     import subprocess
