@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   fastops::def_sgd_step_(cpp, fastops::cpu::sgd_step_);
   fastops::def_unscale_check_(cpp, fastops::cpu::unscale_check_);
   fastops::def_grad_stats(cpp, fastops::cpu::grad_stats);
+  fastops::def_dropout(cpp, fastops::cpu::dropout);
   fastops::def_checks(m.def_submodule("checks", "each op's argument check alone (csrc/cpu/checks.cpp)"));
   py::module_ cuda_math = m.def_submodule("cuda_math", "the CUDA kernels' math on CPU tensors (tests)");
   fastops::cuda::register_cuda_math(cuda_math);

@@ -20,6 +20,7 @@
 
 #include "cuda/adam_math.cuh"
 #include "cuda/codec.cuh"
+#include "cuda/dropout_math.cuh"
 #include "cuda/host.h"
 #include "fastops.h"
 #include "generated/op_bindings.h"
@@ -165,6 +166,17 @@ void walk_lowp(const AdamLowpArgs& a) {
 
 }  // namespace
 
+// dropout with dropout.cu's per-element math, one element at a time (dropout_math.cuh).
+at::Tensor dropout_host(const DropoutArgs& a) {
+  at::Tensor out = at::empty_like(a.x);
+  const cpu::DropoutConsts c = cpu::dropout_consts(a.p, a.seed, a.x.scalar_type());
+  const at::Tensor x = a.x.to(at::kFloat), y = at::empty_like(x);
+  const float* xs = x.const_data_ptr<float>();
+  float* ys = y.mutable_data_ptr<float>();
+  for (int64_t k = 0; k < x.numel(); ++k) ys[k] = xs[k] * detail::dropout_factor(c.key, k, c.threshold, c.scale);
+  return out.copy_(y);
+}
+
 void register_cuda_math(pybind11::module_ m) {
   def_adam_step_(m, [](const AdamStepArgs& a) {
     AdamArgs k{};
@@ -177,6 +189,7 @@ void register_cuda_math(pybind11::module_ m) {
     run_adam(k, a, lowp_own(a, k.format == StateFormat::kEightBit),
              [](auto t, const AdamLowpArgs& k) { walk_lowp<decltype(t)>(k); });
   });
+  def_dropout(m, dropout_host);
 }
 
 }  // namespace cuda

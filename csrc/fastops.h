@@ -25,6 +25,15 @@ void adam_step_lowp_(const AdamStepLowpArgs& a);
 void sgd_step_(const SgdStepArgs& a);
 void unscale_check_(const UnscaleCheckArgs& a);
 at::Tensor grad_stats(const GradStatsArgs& a);
+at::Tensor dropout(const DropoutArgs& a);
+
+// fastops/_specs/dropout.py's constants of a dropout call, for x's dtype.
+struct DropoutConsts {
+  uint32_t key;
+  uint32_t threshold;
+  float scale;
+};
+DropoutConsts dropout_consts(double p, int64_t seed, at::ScalarType dtype);
 
 // _quant.sr_key(seed, index): the 32-bit stochastic-rounding key of the tensor at `index` of a call.
 uint32_t sr_key(int64_t seed, int64_t index);

@@ -2,7 +2,7 @@
 the same conditions in the same order with the same messages (tests/test_bad_input.py holds both to the messages
 the specs list, the C++ one at run time and this one while tracing).
 
-The per-op checks (``adam_step_``, ``adam_step_lowp_``, ``sgd_step_``, ``unscale_check_``, ``grad_stats``) take the
+The per-op checks (``adam_step_``, ``adam_step_lowp_``, ``sgd_step_``, ``unscale_check_``, ``grad_stats``, ``dropout``) take the
 op's ``Args`` record (fastops/_specs) and raise RuntimeError with the first problem: list lengths, then per param
 its layout, dtype and device, its grad and states, then the tensor scalars. The hyperparameter checks
 (``nonnegative``, ``beta``) raise ValueError with torch.optim's constructor wording. Each op's spec says which run.
@@ -202,6 +202,12 @@ def grad_stats(a) -> None:
         raise RuntimeError(f"fastops.{op}: needs at least one tensor")
     _floats(a.grads, "grads", op)
     check_scalar(a.inv_scale, op, "inv_scale", a.grads[0].device)
+
+
+def dropout(a) -> None:
+    check_dense(a.x, "x")
+    if a.x.dtype not in FLOAT_DTYPES:
+        raise RuntimeError(f"fastops.dropout: x has dtype {a.x.dtype}; expected {_FLOATS}")
 
 
 def nonnegative(value: float, what: str) -> None:

@@ -45,6 +45,12 @@ Semantics shared by every backend:
     defaults to 1). Grads are unscaled before squaring, so a GradScaler's scale cannot overflow the sum.
     ``found_inf`` comes from the elements as they are, not from the sum overflowing.
 
+``dropout``
+    ``F.dropout(x, p, training=True)`` with its mask from a counter-based hash: element k of x's memory is kept when
+    the bf16 states' stream under a key of ``seed`` gives it bits >= round(p * 2^32), and is then x times 1/(1-p)
+    rounded to x's dtype, else x * 0; the output has x's layout. The same call on the output's gradient is the
+    backward (fastops/_specs/dropout.py, fastops/_dropout.py).
+
 ``linear_cross_entropy``, ``linear_cross_entropy_backward``
     ``F.cross_entropy(F.linear(x, weight, bias), target)`` and the gradients asked for, without the logits: see
     fastops/_specs/linear_ce.py (fastops/_lce.py adds the autograd rule and the user function).

@@ -199,3 +199,16 @@ def linear_cross_entropy_backward(*args):
     from ._lce import reference_backward
 
     return reference_backward(*args)
+
+
+def dropout(x, p, seed):
+    """fastops/_specs/dropout.py's op in torch ops: the mask from _quant.sr_bits, x times the scale or 0 in fp32."""
+    from ._specs.dropout import constants
+
+    key, threshold, scale = constants(p, seed, x.dtype)
+    out = torch.empty_like(x)
+    if x.numel():
+        keep = _quant.sr_bits(key, x.numel(), x.device) >= threshold
+        factor = torch.where(keep, scale, 0.0).to(torch.float32)
+        _quant.memory_flat(out).copy_(_quant.memory_flat(x).float() * factor)
+    return out

@@ -11,8 +11,9 @@ from ._common import TABLES
 from .adam import adam_step_
 from .adam_lowp import adam_step_lowp_
 from .amp import grad_stats, unscale_check_
+from .dropout import dropout
 from .linear_ce import linear_cross_entropy, linear_cross_entropy_backward
 from .sgd import sgd_step_
 
 __all__ = ["adam_step_", "adam_step_lowp_", "sgd_step_", "unscale_check_", "grad_stats", "linear_cross_entropy",
-           "linear_cross_entropy_backward", "TABLES"]
+           "linear_cross_entropy_backward", "dropout", "TABLES"]

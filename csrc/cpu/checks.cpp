@@ -258,6 +258,12 @@ void check(const UnscaleCheckArgs& a) {
   check_scalar(a.inv_scale, op, "inv_scale", device);
 }
 
+void check(const DropoutArgs& a) {
+  if (!dense_fast(a.x)) check_dense(a.x, "x");
+  TORCH_CHECK(is_float(a.x.scalar_type()), "fastops.dropout: x has dtype ", py_dtype(a.x.scalar_type()),
+              "; expected float32, bfloat16 or float16");
+}
+
 void check(const GradStatsArgs& a) {
   constexpr const char* op = "grad_stats";
   TORCH_CHECK(!a.grads.empty(), "fastops.", op, ": needs at least one tensor");

@@ -130,6 +130,9 @@ struct KernelTable {
   void (*stats)(const void* g, Dtype dt, int64_t n, float inv_scale, StatsPartial* acc);
   // Updates elements [begin, end) of tensor t; begin is a multiple of 256.
   void (*adam_lowp)(const LowpTensor& t, const LowpConsts& c, int64_t begin, int64_t end);
+  // dropout's elements [k0, k0 + n) of x into out (both offset to element k0 already); k0 is a multiple of 256.
+  void (*dropout)(const void* x, void* out, Dtype dt, int64_t k0, int64_t n, uint32_t key, uint32_t threshold,
+                  float scale);
 };
 
 extern const KernelTable kTableDefault;

@@ -7,6 +7,7 @@
 //   codec_isa.h    the 8-bit state codec
 //   adam_isa.h     adam_step_ and adam_step_lowp_
 //   sgd_amp_isa.h  sgd_step_, the AMP unscale + non-finite check, grad_stats
+//   dropout_isa.h  dropout's mask and scale
 //
 // The loops are plain C++ with `#pragma omp simd`, vectorised by GCC for the target of the enclosing
 // pragma. Measured here (32M fp32 params in 128 tensors, 2 threads): the loop runs at memory bandwidth
@@ -31,13 +32,14 @@ namespace {
 #include "codec_isa.h"
 #include "adam_isa.h"
 #include "sgd_amp_isa.h"
+#include "dropout_isa.h"
 
 }  // namespace
 }  // namespace FASTOPS_ISA_NS
 
 extern const KernelTable FASTOPS_ISA_TABLE = {FASTOPS_ISA_NAME, &FASTOPS_ISA_NS::adam, &FASTOPS_ISA_NS::sgd,
                                               &FASTOPS_ISA_NS::unscale, &FASTOPS_ISA_NS::stats,
-                                              &FASTOPS_ISA_NS::adam_lowp};
+                                              &FASTOPS_ISA_NS::adam_lowp, &FASTOPS_ISA_NS::dropout};
 
 }  // namespace cpu
 }  // namespace fastops

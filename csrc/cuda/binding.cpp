@@ -189,6 +189,17 @@ at::Tensor grad_stats(const GradStatsArgs& a) {
   return out;
 }
 
+at::Tensor dropout_op(const DropoutArgs& a) {
+  check_on_cuda({a.x}, "dropout");
+  const c10::cuda::CUDAGuard guard(a.x.device());
+  const LaunchContext ctx = launch_context();
+  at::Tensor out = at::empty_like(a.x);  // preserve_format: x's memory order
+  const cpu::DropoutConsts c = cpu::dropout_consts(a.p, a.seed, a.x.scalar_type());
+  C10_CUDA_CHECK(cuda::dropout(kind_of(a.x.scalar_type()), a.x.const_data_ptr(), out.mutable_data_ptr(), a.x.numel(),
+                               c.key, c.threshold, c.scale, ctx.max_blocks, ctx.stream));
+  return out;
+}
+
 }  // namespace
 
 void register_bindings(pybind11::module_ m) {
@@ -197,6 +208,7 @@ void register_bindings(pybind11::module_ m) {
   def_sgd_step_(m, sgd_step_);
   def_unscale_check_(m, unscale_check_);
   def_grad_stats(m, grad_stats);
+  def_dropout(m, dropout_op);
   register_linear_ce(m);
 }
 

@@ -1,4 +1,4 @@
-// CUDA kernels of fastops: raw-pointer launchers (adam.cu, adam_lowp.cu, sgd.cu, amp.cu) over the tables and
+// CUDA kernels of fastops: raw-pointer launchers (adam.cu, adam_lowp.cu, sgd.cu, amp.cu, dropout.cu) over the tables and
 // arguments of args.h, and the device helpers they share. Only CUDA headers here, so `nvcc -c` builds the .cu files
 // without torch.
 #pragma once
@@ -35,6 +35,10 @@ cudaError_t grad_stats_partials(ScalarKind kind, const int64_t* tensors, const i
 
 // Second pass: one block folds n_partials partials in a fixed order into out[3].
 cudaError_t grad_stats_reduce(const float* partials, int64_t n_partials, float* out, cudaStream_t stream);
+
+// out[k] = x[k] * dropout_factor(key, k, threshold, scale) for the n elements of x's memory (dropout_math.cuh).
+cudaError_t dropout(ScalarKind kind, const void* x, void* out, int64_t n, uint32_t key, uint32_t threshold,
+                    float scale, int max_blocks, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace fastops

@@ -74,4 +74,13 @@ struct GradStatsArgs {
 // The op's argument check (csrc/cpu/checks.cpp; fastops/_checks.py is its Python twin).
 void check(const GradStatsArgs& a);
 
+// dropout(Tensor x, float p, int seed) -> Tensor
+struct DropoutArgs {
+  const at::Tensor &x;
+  double p;
+  int64_t seed;
+};
+// The op's argument check (csrc/cpu/checks.cpp; fastops/_checks.py is its Python twin).
+void check(const DropoutArgs& a);
+
 }  // namespace fastops

@@ -73,6 +73,14 @@ void def_grad_stats(py::module_ m, Kernel kernel) {
       py::arg("inv_scale") = py::none());
 }
 
+// The arguments the schema marks written.
+inline void bump_versions(const DropoutArgs&) {}
+template <class Kernel>
+void def_dropout(py::module_ m, Kernel kernel) {
+  def_op<DropoutArgs>(m, "dropout", kernel, Params<const at::Tensor&, double, int64_t>{}, py::arg("x"), py::arg("p"),
+      py::arg("seed"));
+}
+
 // Every op's check alone: what the backends written in Python (Triton, the reference) run first.
 inline void def_checks(py::module_ m) {
   def_adam_step_(m, CheckOnly{});
@@ -80,6 +88,7 @@ inline void def_checks(py::module_ m) {
   def_sgd_step_(m, CheckOnly{});
   def_unscale_check_(m, CheckOnly{});
   def_grad_stats(m, CheckOnly{});
+  def_dropout(m, CheckOnly{});
 }
 
 }  // namespace fastops

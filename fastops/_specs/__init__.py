@@ -5,12 +5,12 @@ sample inputs; fastops/_specs/codegen.py generates the C++ argument structs and 
 
 from __future__ import annotations
 
-from . import adam, adam_lowp, amp, linear_ce, sgd
+from . import adam, adam_lowp, amp, dropout, linear_ce, sgd
 from .spec import BadCall, OpSpec, Sample
 
 SPECS: dict[str, OpSpec] = {
     s.name: s for s in (adam.SPEC, adam_lowp.SPEC, sgd.SPEC, amp.UNSCALE_CHECK, amp.GRAD_STATS, linear_ce.FORWARD,
-                        linear_ce.BACKWARD)
+                        linear_ce.BACKWARD, dropout.SPEC)
 }
 
-__all__ = ["SPECS", "OpSpec", "Sample", "BadCall", "adam", "adam_lowp", "sgd", "amp", "linear_ce"]
+__all__ = ["SPECS", "OpSpec", "Sample", "BadCall", "adam", "adam_lowp", "sgd", "amp", "linear_ce", "dropout"]

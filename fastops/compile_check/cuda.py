@@ -54,6 +54,8 @@ CUDA_LAUNCHES = {
     # linear_cross_entropy's row pass (linear_ce.cu): one block of 256 threads a row of logits, thousands of rows a
     # launch; 4 resident blocks an SM (32 of 64 warps) keep the loads in flight at <= 64 registers.
     "ce_rows_kernel": (256, 4),
+    # dropout.cu: a grid-stride element loop sized like the others.
+    "dropout_kernel": (512, 4),
 }
 
 
