@@ -15,9 +15,11 @@ from .amp import clip_grad_norm_
 from ._patch import patch, patched, unpatch
 from .accelerate import Accelerator, accelerate
 from ._lce import linear_cross_entropy  # noqa: F401  (registers torch.ops.fastops.linear_cross_entropy)
+from ._dropout import dropout
 
 __version__ = "0.1.0"
-__all__ = ["optim", "amp", "data", "accelerate", "Accelerator", "clip_grad_norm_", "patch", "unpatch", "patched"]
+__all__ = ["optim", "amp", "data", "accelerate", "Accelerator", "clip_grad_norm_", "patch", "unpatch", "patched",
+           "dropout"]
 
 
 def __getattr__(name: str):

@@ -17,7 +17,7 @@ ROOT = Path(fastops.__file__).resolve().parent
 # package itself (fastops/__init__.py imports every layer).
 LAYERS = [
     ("_util", "_checks", "_quant", "_specs"),
-    ("reference", "kernels", "_backend", "_ops", "_lce"),
+    ("reference", "kernels", "_backend", "_ops", "_lce", "_dropout"),
     ("_grads",),
     ("optim", "data"),
     ("amp",),

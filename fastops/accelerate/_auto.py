@@ -7,6 +7,7 @@ turns on for a model, decided by rules on its structure and shapes, never by tim
 - fused_loss: HF transformers models with a plain linear head get the stand-in logits (``_fused_loss``); the
   first training call with labels decides from its shapes whether the fused op runs (``fused_rule``).
 - channels_last: conv nets in bf16 on the CPU, where oneDNN's convolutions run faster in that layout.
+- dropout: on the CPU, the model's dropout through the fused op (``_dropout``).
 
 The decisions and their reasons are one line, logged (logger ``fastops.accelerate``, INFO) at the first training
 call and kept as ``Accelerator.decision``."""
@@ -58,6 +59,8 @@ class Decision:
     fused_why: str = ""
     channels_last: bool = False
     channels_last_why: str = ""
+    dropout: bool = False
+    dropout_why: str = ""
     logged: bool = False
     prefix: str = "fastops.accelerate"
 
@@ -67,6 +70,8 @@ class Decision:
                 f"fused_loss={fused} ({self.fused_why})")
         if self.channels_last or self.channels_last_why:
             text += f"; channels_last={'on' if self.channels_last else 'off'} ({self.channels_last_why})"
+        if self.dropout:
+            text += f"; dropout=fastops ({self.dropout_why})"
         return text
 
     def log(self) -> None:
@@ -234,6 +239,13 @@ def decide_channels_last(acc: "Accelerator", model: nn.Module) -> None:
     d.channels_last, d.channels_last_why = True, "2-D convolutions in bf16 on the CPU: oneDNN's preferred layout"
 
 
+def decide_dropout(acc: "Accelerator", model: nn.Module) -> None:
+    from . import _dropout
+
+    d = acc.decision
+    d.dropout, d.dropout_why = _dropout.install(model, acc.device)
+
+
 def check_option(name: str, value) -> None:
     if value is not True and value is not False and value != AUTO:
         raise ValueError(f"fastops.accelerate: {name} must be True, False or 'auto', got {value!r}")
@@ -255,4 +267,5 @@ def describe(device: torch.device) -> list[str]:
     if device.type == "cpu":
         here = "" if precision == "bf16" else " (not here: no native bf16)"
         lines.append("channels_last: conv nets in bf16" + here)
+        lines.append("dropout: nn.Dropout and HF's SDPA attention dropout through fastops.dropout")
     return lines

@@ -109,6 +109,7 @@ def prepare_model(acc: "Accelerator", model: nn.Module) -> nn.Module:
 
         acc._step_state.regions = _compile.compile_regions(model, eager=_auto.region_stays_eager(acc.device))
     _auto.decide_channels_last(acc, model)
+    _auto.decide_dropout(acc, model)
     if acc.strategy in ("tp", "fsdp+tp"):
         from . import _parallel
 

@@ -1,0 +1,168 @@
+"""fastops.dropout (fastops/_dropout.py, the op: fastops/_specs/dropout.py): every backend bit for bit with the
+reference, torch's kept values, the drop rate and the independence of the mask, the backward's mask, and what
+accelerate swaps into a model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fastops
+from fastops import _backend, reference
+from fastops._specs import SPECS
+from tests.devices import on
+
+SPEC = SPECS["dropout"]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("case", [s.id for s in SPEC.sample_inputs()])
+def test_every_backend_is_the_reference_bit_for_bit(kernel_backend, case):
+    device, _ = kernel_backend
+    args = on(device, next(s.args for s in SPEC.sample_inputs() if s.id == case))
+    got = torch.ops.fastops.dropout(*args)
+    want = reference.dropout(*args)
+    assert got.stride() == args.x.stride() and got.dtype == args.x.dtype
+    assert torch.equal(_bits(got.cpu()), _bits(want.cpu()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_inf_and_nan_give_torchs_results(kernel_backend, dtype):
+    # Kept: inf times the scale, nan; dropped: x * 0, which is nan for both (torch's input * noise).
+    device, _ = kernel_backend
+    x = torch.tensor([math.inf, -math.inf, math.nan] * 200, dtype=dtype, device=device)
+    got = torch.ops.fastops.dropout(x, 0.5, 9).cpu().float()
+    want = reference.dropout(x, 0.5, 9).cpu().float()
+    # nan's sign and payload are the conversion's (AVX-512 BF16 keeps the sign, c10's rounding does not): nan is nan.
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(got[~torch.isnan(got)], want[~torch.isnan(want)])
+    finite_kept = torch.isinf(got)
+    assert finite_kept.any() and torch.equal(got[finite_kept], x.cpu().float()[finite_kept])  # inf kept stays inf
+    assert torch.isnan(got[torch.isinf(x.cpu().float()) & ~finite_kept]).all()  # inf dropped: inf * 0
+
+
+@pytest.mark.parametrize("case", [s.id for s in SPEC.sample_inputs()])
+def test_the_cuda_kernels_math_is_the_reference(case):
+    # dropout.cu's per-element math (dropout_math.cuh) compiled for the host.
+    if _backend._C is None:
+        pytest.skip(f"fastops._C did not load: {_backend._C_ERROR}")
+    args = next(s.args for s in SPEC.sample_inputs() if s.id == case)
+    assert torch.equal(_bits(_backend._C.cuda_math.dropout(*args)), _bits(reference.dropout(*args)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 1 / 3])
+def test_drops_p_of_the_elements_and_keeps_torchs_values(cpu_backend, dtype, p):
+    n = 1 << 16
+    x = torch.randn(n).to(dtype)
+    x[x == 0] = 1.0
+    y = fastops.dropout(x, p)
+    dropped = (y == 0).double().mean().item()
+    # A binomial count: 5 standard errors.
+    assert abs(dropped - p) < 5 * math.sqrt(p * (1 - p) / n)
+    ref = F.dropout(x, p)  # torch's: x * (1 / (1 - p) rounded to x's dtype), rounded from fp32
+    both = (y != 0) & (ref != 0)
+    assert both.sum() > 0 and torch.equal(y[both], ref[both])
+
+
+def test_masks_are_uncorrelated_across_neighbours_and_seeds():
+    n = 1 << 18
+    ones = torch.ones(n)
+    a = (torch.ops.fastops.dropout(ones, 0.5, 1) != 0).double()
+    b = (torch.ops.fastops.dropout(ones, 0.5, 2) != 0).double()
+    c = (torch.ops.fastops.dropout(ones, 0.5, 1 + (1 << 32)) != 0).double()  # seeds that differ in the high half
+    bound = 5 / math.sqrt(n)  # 5 standard errors of a correlation of independent bits
+    for u, v in ((a, b), (a, c), (a[1:], a[:-1]), (a[256:], a[:-256])):
+        assert abs(torch.corrcoef(torch.stack([u, v]))[0, 1].item()) < bound
+
+
+def test_the_backward_draws_the_forward_mask(cpu_backend):
+    x = torch.randn(6, 333, dtype=torch.bfloat16).t().requires_grad_()  # dense, not contiguous
+    y = fastops.dropout(x, 0.3)
+    g = torch.randn(333, 6, dtype=torch.bfloat16)  # contiguous: another layout than x's
+    y.backward(g)
+    scale = torch.ones((), dtype=torch.bfloat16).div_(0.7)
+    assert torch.equal(x.grad, (g.float() * torch.where(y != 0, scale.float(), 0.0)).bfloat16())
+
+
+def test_manual_seed_repeats_the_masks_and_eval_passes_through():
+    x = torch.randn(1000)
+    torch.manual_seed(3)
+    a = fastops.dropout(x, 0.2)
+    torch.manual_seed(3)
+    assert torch.equal(a, fastops.dropout(x, 0.2))
+    assert not torch.equal(a, fastops.dropout(x, 0.2))
+    assert fastops.dropout(x, 0.2, training=False) is x and fastops.dropout(x, 0.0) is x
+
+
+def test_what_the_op_does_not_take_goes_to_torch():
+    x = torch.randn(100, dtype=torch.float64)
+    torch.manual_seed(0)
+    a = fastops.dropout(x, 0.5)
+    torch.manual_seed(0)
+    assert torch.equal(a, F.dropout(x, 0.5))
+    with pytest.raises(ValueError, match="dropout probability has to be between 0 and 1, but got 1.5"):
+        fastops.dropout(x, 1.5)
+
+
+def _attention_inputs(heads=4, kv_heads=4, L=9):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, L, 16, generator=g)
+    k, v = (torch.randn(2, kv_heads, L, 16, generator=g) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("case", ["none", "bool-padding", "causal", "gqa-causal", "float-mask"])
+def test_the_written_out_attention_is_sdpas(case):
+    pytest.importorskip("transformers")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from fastops.accelerate import _dropout
+
+    q, k, v = _attention_inputs(kv_heads=2 if case.startswith("gqa") else 4)
+    module = nn.Module().train()
+    module.is_causal = "causal" in case
+    module.num_key_value_groups = q.shape[1] // k.shape[1]  # what HF's attention modules hold
+    mask = None
+    if case == "bool-padding":
+        mask = torch.ones(2, 1, 9, 9, dtype=torch.bool)
+        mask[1, :, :, 6:] = False
+        mask[1, :, 8, :] = False  # a row with nothing to attend to
+    elif case == "float-mask":
+        mask = torch.randn(2, 1, 9, 9)
+    # A rate that drops nothing (its threshold rounds to 0, its scale to 1): the math without the draw.
+    got, _ = _dropout.attention(module, q, k, v, mask, dropout=1e-12)
+    module.eval()
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=0.0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # fp32, two orders of summing over 16 and 9 terms
+
+
+def test_accelerate_swaps_bert_dropout_and_trains():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                                  vocab_size=100)
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    acc = fastops.Accelerator()
+    model, opt = acc.prepare(model, opt)
+    assert all(type(m) is not nn.Dropout for m in model.modules())
+    assert model.config._attn_implementation == "fastops_sdpa"
+    ids = torch.randint(0, 100, (4, 16))
+    mask = torch.ones(4, 16, dtype=torch.long)
+    mask[1, 10:] = 0
+    losses = []
+    for _ in range(3):
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(out.loss.item())
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    assert acc.decision.dropout and "7 nn.Dropout and HF's attention dropout" in acc.decision.line()
