@@ -7,6 +7,8 @@ tests/test_frameworks.py, which runs the fp16 paths and their skipped steps unde
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -48,6 +50,30 @@ def test_hf_trainer_gets_the_fused_loss_and_trains_as_without(tmp_path):
     _assert_close_and_learning(plain["loss"], fast["loss"], LOWP_RTOL)
     rel = max(abs(a - b) / a for a, b in zip(plain["grad_norm"], fast["grad_norm"]))
     assert rel <= LOWP_RTOL, (plain["grad_norm"], fast["grad_norm"])
+
+
+def test_hf_trainer_gets_the_fused_dropout(tmp_path):
+    from transformers import BertConfig, BertForMaskedLM, Trainer, TrainingArguments
+
+    from fastops import _dropout
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, bf16=True, learning_rate=1e-2, max_steps=STEPS, logging_steps=1,
+        per_device_train_batch_size=4, report_to="none", save_strategy="no", seed=0, disable_tqdm=True,
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    with _patched(True):
+        torch.manual_seed(0)
+        model = BertForMaskedLM(BertConfig(vocab_size=bert().config.vocab_size, hidden_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, intermediate_size=128,
+                                           max_position_embeddings=bert().config.max_position_embeddings))
+        trainer = Trainer(model=model, args=args, train_dataset=_samples())
+        trainer.train()
+    assert model._fastops_decision.dropout and "HF's attention dropout" in model._fastops_decision.line()
+    assert sum(type(m) is _dropout.Dropout for m in model.modules()) == 7
+    assert model.config._attn_implementation == "fastops_sdpa"
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and "learning_rate" in h]
+    assert len(losses) == STEPS and all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
 
 
 def test_patch_models_false_leaves_models_alone():

@@ -2,8 +2,8 @@
 loop (HF's Trainer, Lightning, an HF Accelerate loop, the user's own).
 
 ``PreTrainedModel.__call__`` is given a check: the first call of a model in training mode, with grad enabled and
-``labels=``, applies the rules of ``_auto`` to that model: the fused loss with lazy logits (``_fused_loss``) and
-regional compilation where it pays (``_compile``). The call itself then runs the usual way and, with it, the
+``labels=``, applies the rules of ``_auto`` to that model: the fused loss with lazy logits (``_fused_loss``),
+regional compilation where it pays (``_compile``) and, on the CPU, dropout on the fused op (``_dropout``). The call itself then runs the usual way and, with it, the
 first-loss decision of the fused loss; the decision is logged in one line (logger ``fastops.accelerate``) and kept
 as ``model._fastops_decision``. Calls without labels, in eval mode or under no_grad are left alone, and so is a
 model trained before ``patch()`` was called until its next labeled training call.
@@ -51,6 +51,7 @@ def apply_rules(model: nn.Module) -> _auto.Decision:
         from . import _compile
 
         model._fastops_regions = _compile.compile_regions(model, eager=_auto.region_stays_eager(device))
+    _auto.decide_dropout(ctx, model)
     return ctx.decision
 
 
