@@ -72,7 +72,8 @@ def install(model: nn.Module, device: torch.device) -> tuple[bool, str]:
     hf = 0
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation"):
-        rates = [v for k, v in vars(config).items() if "dropout" in k and "attention" in k and isinstance(v, float)]
+        # attention_dropout (Llama, Qwen), attention_probs_dropout_prob (BERT), attn_pdrop (GPT-2), ...
+        rates = [v for k, v in vars(config).items() if "att" in k and "drop" in k and isinstance(v, float)]
         if any(r > 0 for r in rates):
             _register()
             model.set_attn_implementation(ATTENTION)
