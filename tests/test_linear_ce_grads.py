@@ -221,3 +221,27 @@ def test_fp32_master_weight_is_the_cast_weight_with_an_fp32_grad(backend, shape,
     for p, q in zip(master[1:], cast[1:]):
         assert p.grad.dtype == torch.float32
         assert torch.equal(p.grad.bfloat16(), q.grad)
+
+
+GRAD_IS_TORCHS = """
+import torch, fastops
+from fastops._specs import linear_ce as spec
+x, w, b, t = spec.tensors(64, 128, 8192, torch.bfloat16, labeled=0.6, seed=3, weight_dtype=torch.float32)
+w.requires_grad_()
+fastops.linear_cross_entropy(x, w, t, chunk_rows=8).backward()
+assert w.grad.dtype == torch.float32 and w.grad.untyped_storage().resizable(), "a fixed-size storage"
+w.grad.resize_(0)
+"""
+
+
+def test_an_fp32_grad_weight_over_chunks_is_torchs_own_tensor():
+    """Outside accelerate (no CPU cache: a fresh process), over several chunks, grad_weight is the C++ backend's fp32
+    accumulator itself (4 MiB here) and becomes .grad: a tensor of torch's allocator, resizable like any grad."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, FASTOPS_BACKEND="cpu:cpp", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", GRAD_IS_TORCHS], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -264,7 +264,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ce_pass(
           gw.addmm_(dl.t(), xs);
         }
       } else {
-        if (first) gw = workspace({v, h}, acc_opts);
+        // Where the weight is fp32 (a master weight) the accumulator is the grad_weight returned, which becomes
+        // .grad: a tensor of torch's allocator, not a workspace() block (from_blob storage is not resizable).
+        if (first) gw = out_t == at::kFloat ? at::empty({v, h}, acc_opts) : workspace({v, h}, acc_opts);
         if (!backend.accumulate || !backend.accumulate(gw, dl.t(), xs, first)) {
           for (int64_t v0 = 0; v0 < v; v0 += kVocabBlock) {
             const int64_t vb = std::min(kVocabBlock, v - v0);
