@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._checks import FLOAT_DTYPES
+from ._checks import FLOAT_DTYPES, is_dense
 
 _op = torch.ops.fastops.dropout.default
 
@@ -43,12 +43,6 @@ class _DropoutFn(torch.autograd.Function):
         return _op(grad, ctx.p, ctx.seed), None, None
 
 
-def _dense(t: torch.Tensor) -> bool:
-    from ._checks import is_dense
-
-    return is_dense(t)
-
-
 def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
     """``F.dropout``'s signature and results, the mask from fastops' stream (module docstring). Falls back to
     ``F.dropout`` for what the op does not take: other dtypes, gapped layouts, an in-place call that autograd
@@ -59,7 +53,7 @@ def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace:
         return input
     if torch.compiler.is_compiling():  # inductor generates its own dropout: no seed drawn on the host mid-graph
         return F.dropout(input, p, training, inplace)
-    if input.dtype not in FLOAT_DTYPES or not _dense(input) or (inplace and torch.is_grad_enabled()
+    if input.dtype not in FLOAT_DTYPES or not is_dense(input) or (inplace and torch.is_grad_enabled()
                                                                   and input.requires_grad):
         return F.dropout(input, p, training, inplace)
     if inplace:
