@@ -1,6 +1,7 @@
-"""The CUDA kernels' math, run on the CPU: fastops._C.cuda_math compiles csrc/cuda/adam_math.cuh and codec.cuh (the Adam
-update and its step scalars, the 8-bit codec, the stochastic rounding) for the host and walks CPU tensors as the
-kernels walk theirs (csrc/cuda_math.cpp). So every CPU run of the suite executes that code:
+"""The CUDA kernels' math, run on the CPU: fastops._C.cuda_math compiles csrc/cuda/adam_math.cuh, codec.cuh and
+dropout_math.cuh (the Adam update and its step scalars, the 8-bit codec, the stochastic rounding, dropout's mask) for
+the host and walks CPU tensors as the kernels walk theirs (csrc/cuda_math.cpp). So every CPU run of the suite executes
+that code:
 - against fastops.reference: the states bit for bit (8-bit codes and absmax, stochastically rounded bf16, fp32
   moments, step counters), the params within the reference's sqrt (MKL's on the CPU, not correctly rounded; see
   tests/test_lowp_ops.assert_step_matches);
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 import fastops
 from fastops import _backend, reference
 from fastops._quant import StateFormat
-from fastops._specs import adam, adam_lowp
+from fastops._specs import adam, adam_lowp, dropout
 from tests.devices import clone
 from tests.test_lowp_ops import assert_step_matches, bits
 
@@ -99,3 +100,10 @@ def test_skipped_step_and_special_values(fmt):
     for name in ("exp_avgs", "exp_avg_sqs", "exp_avg_absmax", "exp_avg_sq_absmax"):
         for a, b in zip(getattr(got, name), getattr(want, name)):
             assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a[~a.isnan()], b[~b.isnan()]), name
+
+
+@pytest.mark.parametrize("case", [s.id for s in dropout.sample_inputs()])
+def test_dropout_samples(case):
+    # dropout.cu's per-element math (dropout_math.cuh), bit for bit with the reference.
+    args = next(s.args for s in dropout.sample_inputs() if s.id == case)
+    assert torch.equal(bits(_backend._C.cuda_math.dropout(*args)), bits(reference.dropout(*args)))
