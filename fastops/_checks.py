@@ -2,9 +2,9 @@
 the same conditions in the same order with the same messages (tests/test_bad_input.py holds both to the messages
 the specs list, the C++ one at run time and this one while tracing).
 
-The per-op checks (``adam_step_``, ``adam_step_lowp_``, ``sgd_step_``, ``unscale_check_``, ``grad_stats``, ``dropout``) take the
-op's ``Args`` record (fastops/_specs) and raise RuntimeError with the first problem: list lengths, then per param
-its layout, dtype and device, its grad and states, then the tensor scalars. The hyperparameter checks
+The per-op checks (``adam_step_``, ``adam_step_lowp_``, ``sgd_step_``, ``unscale_check_``, ``grad_stats``, ``dropout``)
+take the op's ``Args`` record (fastops/_specs) and raise RuntimeError with the first problem: list lengths, then per
+param its layout, dtype and device, its grad and states, then the tensor scalars. The hyperparameter checks
 (``nonnegative``, ``beta``) raise ValueError with torch.optim's constructor wording. Each op's spec says which run.
 
 This is what the fake kernel runs on metadata (paid once per trace) and what runs at each call where fastops._C does

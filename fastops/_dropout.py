@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._checks import FLOAT_DTYPES, is_dense
+from ._specs.dropout import check_p
 
 _op = torch.ops.fastops.dropout.default
 
@@ -46,15 +47,13 @@ class _DropoutFn(torch.autograd.Function):
 def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
     """``F.dropout``'s signature and results, the mask from fastops' stream (module docstring). Falls back to
     ``F.dropout`` for what the op does not take: other dtypes, gapped layouts, an in-place call that autograd
-    records."""
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    records, a call being compiled."""
+    check_p(p)
     if not training or p == 0.0 or input.numel() == 0:
         return input
-    if torch.compiler.is_compiling():  # inductor generates its own dropout: no seed drawn on the host mid-graph
-        return F.dropout(input, p, training, inplace)
-    if input.dtype not in FLOAT_DTYPES or not is_dense(input) or (inplace and torch.is_grad_enabled()
-                                                                  and input.requires_grad):
+    # Under torch.compile inductor generates its own dropout (a seed drawn on the host would break the graph).
+    if (torch.compiler.is_compiling() or input.dtype not in FLOAT_DTYPES or not is_dense(input)
+            or (inplace and torch.is_grad_enabled() and input.requires_grad)):  # fmt: skip
         return F.dropout(input, p, training, inplace)
     if inplace:
         with torch.no_grad():

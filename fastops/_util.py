@@ -6,11 +6,17 @@ from __future__ import annotations
 import collections.abc
 import copy
 import dataclasses
+import os
 import struct
 from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
+
+
+def switched_off(name: str) -> bool:
+    """Whether the environment variable ``name`` turns a default-on choice off (0, false, off or no, any case)."""
+    return os.environ.get(name, "1").lower() in ("0", "false", "off", "no")
 
 
 def round_fp32(x: float) -> float:

@@ -1,6 +1,6 @@
-// CUDA kernels of fastops: raw-pointer launchers (adam.cu, adam_lowp.cu, sgd.cu, amp.cu, dropout.cu) over the tables and
-// arguments of args.h, and the device helpers they share. Only CUDA headers here, so `nvcc -c` builds the .cu files
-// without torch.
+// CUDA kernels of fastops: raw-pointer launchers (adam.cu, adam_lowp.cu, sgd.cu, amp.cu, dropout.cu) over the
+// tables and arguments of args.h, and the device helpers they share. Only CUDA headers here, so `nvcc -c` builds the
+// .cu files without torch.
 #pragma once
 
 #include <cstdint>

@@ -32,10 +32,14 @@ def constants(p: float, seed: int, dtype: torch.dtype) -> tuple[int, int, float]
     return key, threshold, float(torch.ones((), dtype=dtype).div_(1 - p))
 
 
-def check_values(a) -> None:
+def check_p(p: float) -> None:
     # F.dropout's rule and wording.
-    if not 0.0 <= a.p <= 1.0:
-        raise ValueError(f"dropout probability has to be between 0 and 1, but got {a.p}")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+
+
+def check_values(a) -> None:
+    check_p(a.p)
 
 
 def inputs(shape, dtype=torch.float32, p=0.1, seed=5, gen_seed=0, transposed=False, device="cpu"):

@@ -17,11 +17,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import os
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
+
+from .._util import switched_off
 
 if TYPE_CHECKING:
     from . import Accelerator
@@ -229,7 +230,7 @@ def decide_channels_last(acc: "Accelerator", model: nn.Module) -> None:
     d = acc.decision
     if not _has(model, nn.Conv2d):
         return
-    if os.environ.get("FASTOPS_CHANNELS_LAST", "1").lower() in ("0", "false", "off", "no"):
+    if switched_off("FASTOPS_CHANNELS_LAST"):
         d.channels_last_why = "FASTOPS_CHANNELS_LAST=0"
         return
     if acc.device.type != "cpu" or acc.amp_dtype != torch.bfloat16 or not _native_bf16(acc.device):

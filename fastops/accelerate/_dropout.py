@@ -6,12 +6,11 @@ FASTOPS_DROPOUT=0 leaves dropout to torch."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn as nn
 
 from .. import _dropout
+from .._util import switched_off
 
 ATTENTION = "fastops_sdpa"
 # Keyword arguments HF passes that the written-out attention does not implement: with any of them set, HF's SDPA
@@ -43,13 +42,14 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         mask = attention_mask[:, :, :, : key.shape[-2]]
     elif causal and query.shape[2] > 1:
         mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
-    if mask is not None and mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask, float("-inf"))
+    masked_out = ~mask if mask is not None and mask.dtype == torch.bool else None
+    if masked_out is not None:
+        scores = scores.masked_fill(masked_out, float("-inf"))
     elif mask is not None:
         scores = scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    if mask is not None and mask.dtype == torch.bool:
-        probs = probs.masked_fill(~mask.any(-1, keepdim=True), 0.0)  # a row with nothing to attend to: 0, as SDPA
+    if masked_out is not None:
+        probs = probs.masked_fill(masked_out.all(-1, keepdim=True), 0.0)  # a row with nothing to attend to: 0, as SDPA
     probs = _dropout.dropout(probs.to(query.dtype), dropout)
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
 
@@ -64,7 +64,7 @@ def _register() -> None:
 
 def install(model: nn.Module, device: torch.device) -> tuple[bool, str]:
     """Swaps the model's dropout on ``device`` where it pays; returns (on, why) for the decision line."""
-    if os.environ.get("FASTOPS_DROPOUT", "1").lower() in ("0", "false", "off", "no"):
+    if switched_off("FASTOPS_DROPOUT"):
         return False, "FASTOPS_DROPOUT=0"
     if device.type != "cpu":
         return False, "torch's own dropout off the CPU"

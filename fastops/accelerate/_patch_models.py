@@ -2,11 +2,11 @@
 loop (HF's Trainer, Lightning, an HF Accelerate loop, the user's own).
 
 ``PreTrainedModel.__call__`` is given a check: the first call of a model in training mode, with grad enabled and
-``labels=``, applies the rules of ``_auto`` to that model: the fused loss with lazy logits (``_fused_loss``),
-regional compilation where it pays (``_compile``) and, on the CPU, dropout on the fused op (``_dropout``). The call itself then runs the usual way and, with it, the
-first-loss decision of the fused loss; the decision is logged in one line (logger ``fastops.accelerate``) and kept
-as ``model._fastops_decision``. Calls without labels, in eval mode or under no_grad are left alone, and so is a
-model trained before ``patch()`` was called until its next labeled training call.
+``labels=``, applies the rules of ``_auto`` to that model: the fused loss with lazy logits (``_fused_loss``), regional
+compilation where it pays (``_compile``) and, on the CPU, dropout on the fused op (``_dropout``). The call itself then
+runs the usual way and, with it, the first-loss decision of the fused loss; the decision is logged in one line (logger
+``fastops.accelerate``) and kept as ``model._fastops_decision``. Calls without labels, in eval mode or under no_grad are
+left alone, and so is a model trained before ``patch()`` was called until its next labeled training call.
 
 transformers is not imported for this: if it is not loaded yet, an import hook patches ``PreTrainedModel`` when
 ``transformers.modeling_utils`` is first imported."""
