@@ -109,6 +109,7 @@ def _attention_inputs(heads=4, kv_heads=4, L=9):
 
 @pytest.mark.parametrize("case", ["none", "bool-padding", "causal", "gqa-causal", "float-mask"])
 def test_the_written_out_attention_is_sdpas(case):
+    pytest.importorskip("transformers")  # the torch 2.13 CI leg has none
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from fastops.accelerate import _dropout
@@ -132,8 +133,7 @@ def test_the_written_out_attention_is_sdpas(case):
 
 
 def test_accelerate_swaps_bert_dropout_and_trains():
-    import transformers
-
+    transformers = pytest.importorskip("transformers")  # the torch 2.13 CI leg has none
     cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                                   vocab_size=100)
     torch.manual_seed(0)
