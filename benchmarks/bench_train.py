@@ -56,7 +56,7 @@ import train_profile  # noqa: E402
 from fastops.accelerate import accelerate  # noqa: E402
 
 from train_report import (AMP_NOISE, AMP_REF, CLAIMS, COMPILE, EXPLICIT, F_BOTH, F_COMPILE, F_EAGER,  # noqa: E402
-                          F_FUSED, F_NCHW, FASTOPS, FP32, HF, LOSS_TAIL, PEERS, SAME_RECIPE_RTOL,
+                          F_FUSED, F_NCHW, F_SDPA, FASTOPS, FP32, HF, LOSS_TAIL, PEERS, SAME_RECIPE_RTOL,
                           BF16_VS_FP32_RTOL, loss_check, print_rows, targets)
 from train_cases import CASES  # noqa: E402
 
@@ -160,7 +160,7 @@ def _fastops(env=None, **options):
         provider.decision = opt.accelerator.decision.line() if hasattr(opt.accelerator, "decision") else ""
         return _steps(model, opt, loader, case["loss"], device)
 
-    provider.lm_only = "fused_loss" in options and options["fused_loss"]
+    provider.lm_only = bool(options.get("fused_loss")) or "FASTOPS_ATTENTION" in (env or {})
     provider.conv_only = env is not None and "FASTOPS_CHANNELS_LAST" in env
     return provider
 
@@ -170,7 +170,8 @@ PROVIDERS = {FP32: torch_fp32, AMP_REF: torch_amp, AMP_NOISE: torch_amp_perturbe
              FASTOPS: _fastops(),
              F_EAGER: _fastops(compile=False, fused_loss=False), F_COMPILE: _fastops(compile=True, fused_loss=False),
              F_FUSED: _fastops(compile=False, fused_loss=True), F_BOTH: _fastops(compile=True, fused_loss=True),
-             F_NCHW: _fastops(env={"FASTOPS_CHANNELS_LAST": "0"}, compile=False, fused_loss=False)}
+             F_NCHW: _fastops(env={"FASTOPS_CHANNELS_LAST": "0"}, compile=False, fused_loss=False),
+             F_SDPA: _fastops(env={"FASTOPS_ATTENTION": "0"})}
 
 
 def _start(case: dict, label: str, steps: int, device: str):

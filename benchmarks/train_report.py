@@ -20,12 +20,13 @@ COMPILE = "torch.compile recipe"
 F_EAGER, F_COMPILE = "fastops compile=F fused=F", "fastops compile=T fused=F"
 F_FUSED, F_BOTH = "fastops compile=F fused=T", "fastops compile=T fused=T"
 F_NCHW = "fastops compile=F channels_last=F"  # conv nets: the layout left as it is (FASTOPS_CHANNELS_LAST=0)
+F_SDPA = "fastops attention=SDPA"  # HF models: the defaults with HF's SDPA attention left alone (FASTOPS_ATTENTION=0)
 AMP_NOISE = "torch AMP recipe, params +-1 bf16 rounding"
 SAME_RECIPE_RTOL = 2e-3  # a bf16 provider against torch's own bf16 autocast recipe
 NOISE_FACTOR = 2  # or, when AMP_NOISE ran, twice the recipe's own spread from one bf16 rounding of the params
 BF16_VS_FP32_RTOL = 5e-2  # torch's bf16 recipe against fp32
 PEERS = (AMP_REF, HF, COMPILE)  # the peers the targets compare the defaults with (the best of them)
-EXPLICIT = (F_EAGER, F_COMPILE, F_FUSED, F_BOTH, F_NCHW)  # fastops' explicit configurations
+EXPLICIT = (F_EAGER, F_COMPILE, F_FUSED, F_BOTH, F_NCHW, F_SDPA)  # fastops' explicit configurations
 
 
 def loss_check(losses: dict[str, list[float]], precision: dict[str, str]) -> dict[str, dict]:

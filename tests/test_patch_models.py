@@ -69,7 +69,8 @@ def test_hf_trainer_gets_the_fused_dropout(tmp_path):
                                            max_position_embeddings=bert().config.max_position_embeddings))
         trainer = Trainer(model=model, args=args, train_dataset=_samples())
         trainer.train()
-    assert model._fastops_decision.dropout and "HF's attention dropout" in model._fastops_decision.line()
+    decision = model._fastops_decision
+    assert decision.dropout and decision.attention and "probabilities drop, on fastops.dropout" in decision.line()
     assert sum(type(m) is _dropout.Dropout for m in model.modules()) == 7
     assert model.config._attn_implementation == "fastops_sdpa"
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and "learning_rate" in h]

@@ -8,6 +8,7 @@ turns on for a model, decided by rules on its structure and shapes, never by tim
   first training call with labels decides from its shapes whether the fused op runs (``fused_rule``).
 - channels_last: conv nets in bf16 on the CPU, where oneDNN's convolutions run faster in that layout.
 - dropout: on the CPU, the model's dropout through the fused op (``_dropout``).
+- attention: HF models' SDPA attention written out where that runs faster on the CPU (``_attention``).
 
 The decisions and their reasons are one line, logged (logger ``fastops.accelerate``, INFO) at the first training
 call and kept as ``Accelerator.decision``."""
@@ -62,6 +63,8 @@ class Decision:
     channels_last_why: str = ""
     dropout: bool = False
     dropout_why: str = ""
+    attention: bool = False
+    attention_why: str = ""
     logged: bool = False
     prefix: str = "fastops.accelerate"
 
@@ -73,6 +76,8 @@ class Decision:
             text += f"; channels_last={'on' if self.channels_last else 'off'} ({self.channels_last_why})"
         if self.dropout:
             text += f"; dropout=fastops ({self.dropout_why})"
+        if self.attention:
+            text += f"; attention=fastops ({self.attention_why})"
         return text
 
     def log(self) -> None:
@@ -241,10 +246,12 @@ def decide_channels_last(acc: "Accelerator", model: nn.Module) -> None:
 
 
 def decide_dropout(acc: "Accelerator", model: nn.Module) -> None:
-    from . import _dropout
+    """The model's dropout and HF's attention, on the CPU (``_dropout``, ``_attention``)."""
+    from . import _attention, _dropout
 
     d = acc.decision
     d.dropout, d.dropout_why = _dropout.install(model, acc.device)
+    d.attention, d.attention_why = _attention.install(model, acc.device)
 
 
 def check_option(name: str, value) -> None:
@@ -266,7 +273,10 @@ def describe(device: torch.device) -> list[str]:
              f"{MAX_LABELED_SHARE:.0%} of the rows are labeled, or the vocabulary is at most {ALL_ROWS_MAX_VOCAB}; "
              "off under fp16 autocast (a loss scaler's skipped steps follow the run without fastops)"]
     if device.type == "cpu":
+        from ._attention import SHORT_KEYS
+
         here = "" if precision == "bf16" else " (not here: no native bf16)"
         lines.append("channels_last: conv nets in bf16" + here)
         lines.append("dropout: nn.Dropout and HF's SDPA attention dropout through fastops.dropout")
+        lines.append(f"attention: HF's SDPA written out in training calls with at most {SHORT_KEYS} keys")
     return lines
