@@ -155,5 +155,5 @@ def install(model: nn.Module, device: torch.device) -> tuple[bool, str]:
         return False, "FASTOPS_DROPOUT=0: the attention's dropout stays torch's"
     _register()
     model.set_attn_implementation(ATTENTION)
-    why = f"written out in CPU training calls with at most {SHORT_KEYS} keys (CPU flash attention's backward is slow)"
+    why = f"fastops' own in CPU training calls with at most {SHORT_KEYS} keys (CPU flash attention's backward is slow)"
     return True, why + (", and where probabilities drop, on fastops.dropout" if drops else "")
