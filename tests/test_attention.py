@@ -4,6 +4,8 @@ rules for where it runs instead of SDPA."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -44,28 +46,28 @@ def _sdpa_only(monkeypatch):
     monkeypatch.setattr(_attention, "_sdpa", lambda: fail)
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["keep", "recompute"])
 @pytest.mark.parametrize("case", CASES)
-def test_forward_and_gradients_are_sdpas(case, monkeypatch):
+def test_forward_and_gradients_are_sdpas(case, keep):
     module, q, k, v, mask, dout = _inputs(case)
     want, _ = sdpa_attention_forward(module.eval(), q, k, v, mask, dropout=0.0)
     want_grads = torch.autograd.grad(want, (q, k, v), dout)
-    _sdpa_only(monkeypatch)
-    got, _ = _attention.attention(module.train(), q, k, v, mask)
+    got, _ = _attention.fastops_attention(module.train(), q, k, v, mask, 0.0, None, None, keep=keep)
     grads = torch.autograd.grad(got, (q, k, v), dout)
-    # fp32; two orders of summing over 16 (head size) and 9 (keys) terms, the softmax's exp against flash's
+    # fp32; two orders of summing over 16 (head size) and 9 (keys) terms
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     for a, b in zip(grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["keep", "recompute"])
 @pytest.mark.parametrize("case", ["causal", "bool-padding"])
-def test_the_dropout_is_the_fused_ops_in_both_passes(case, monkeypatch):
+def test_the_dropout_is_the_fused_ops_in_both_passes(case, keep, monkeypatch):
     """Against the attention written out with autograd through fastops.dropout drawing the same seed: the backward
     regenerates the forward's mask."""
     module, q, k, v, mask, dout = _inputs(case)
-    _sdpa_only(monkeypatch)
     torch.manual_seed(3)
-    got, _ = _attention.attention(module, q, k, v, mask, dropout=0.3)
+    got, _ = _attention.fastops_attention(module, q, k, v, mask, 0.3, None, None, keep=keep)
     grads = torch.autograd.grad(got, (q, k, v), dout)
 
     scores = q @ k.transpose(2, 3) * 16**-0.5
@@ -77,19 +79,29 @@ def test_the_dropout_is_the_fused_ops_in_both_passes(case, monkeypatch):
     for a, b in zip(grads, torch.autograd.grad(want, (q, k, v), dout)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
     assert (got - sdpa_attention_forward(module.eval(), q, k, v, mask)[0]).abs().max() > 0.01  # it dropped some
+    if keep:  # eager training calls with dropout take this path through attention(): the same draw, the same bits
+        module.train()
+        _sdpa_only(monkeypatch)
+        torch.manual_seed(3)
+        assert torch.equal(_attention.attention(module, q, k, v, mask, dropout=0.3)[0], got)
 
 
 def test_bf16_under_autocast_with_hfs_mixed_input_dtypes(monkeypatch):
     """HF's rotary embeddings hand q and k over in fp32 and v in bf16 under autocast; SDPA's autocast casts all to
-    bf16, and so does fastops' attention, which then runs (it did not while it compared the dtypes first)."""
+    bf16, and so does ``attention``, which then takes fastops' path (it did not while it compared the dtypes
+    first). Under torch.compile, where that path runs without dropout."""
     module, q, k, v, mask, dout = _inputs("gqa-causal", L=32)
     v16 = v.detach().bfloat16().requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want, _ = sdpa_attention_forward(module, q, k, v16, None, dropout=0.0)
     want_grads = torch.autograd.grad(want, (q, k, v16), dout.bfloat16())
     _sdpa_only(monkeypatch)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got, _ = _attention.attention(module, q, k, v16, None)
+
+    def attention(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _attention.attention(module, q, k, v, None)[0]
+
+    got = torch.compile(attention, backend="eager", fullgraph=True)(q, k, v16)
     assert got.dtype == torch.bfloat16
     grads = torch.autograd.grad(got, (q, k, v16), dout.bfloat16())
     # bf16 probabilities and products (8 significant bits) against flash attention's own bf16 rounding
@@ -98,49 +110,58 @@ def test_bf16_under_autocast_with_hfs_mixed_input_dtypes(monkeypatch):
         torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)
 
 
-def _largest_saved(fn, *args) -> int:
-    """The largest tensor autograd keeps for the backward of ``fn(*args)``, in elements."""
-    largest = 0
+def _saved(fn, *args) -> list[int]:
+    """The sizes (elements) of the tensors autograd keeps for the backward of ``fn(*args)``, largest first."""
+    sizes = []
 
     def pack(t):
-        nonlocal largest
-        largest = max(largest, t.numel())
+        sizes.append(t.numel())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn(*args)
-    return largest
+    return sorted(sizes, reverse=True)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_no_scores_are_kept_for_the_backward(compiled):
-    """Under torch.compile's partitioner (inductor's, without its code generation) as in eager mode: with the same
-    matmul in the forward and the backward, the partitioner kept its B x H x L x S output."""
-    module, q, k, v, _, dout = _inputs("causal", L=64)
+def test_what_is_kept_for_the_backward():
+    """Eager (``keep``): q, k, v and the probabilities, once. Compiled (the recomputing form): no B x H x L x S
+    tensor, eager or through torch.compile's partitioner (inductor's, without its code generation)."""
+    module, q, k, v, _, _ = _inputs("gqa-causal", L=64, dtype=torch.bfloat16)  # as Llama's under autocast
+    scores = q.shape[0] * q.shape[1] * 64 * 64
 
-    def attention(q, k, v):
-        return _attention.attention(module, q, k, v, None)[0]
+    def attention(q, k, v, keep=False):
+        return _attention.fastops_attention(module, q, k, v, None, 0.0, None, None, keep=keep)[0]
 
-    fn = torch.compile(attention, backend="aot_eager_decomp_partition", fullgraph=True) if compiled else attention
-    got = fn(q, k, v)
-    torch.testing.assert_close(got, attention(q, k, v), rtol=1e-5, atol=1e-6)
-    assert _largest_saved(fn, q, k, v) < q.shape[0] * q.shape[1] * 64 * 64  # q, k, v (a quarter of it), the mask, lse
+    kept = _saved(functools.partial(attention, keep=True), q, k, v)
+    assert kept[0] == scores and kept[1] < scores  # the probabilities; q, k, v a quarter of that, the mask
+    assert _saved(attention, q, k, v)[0] < scores
+    compiled = torch.compile(attention, backend="aot_eager_decomp_partition", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), attention(q, k, v), rtol=0, atol=0)
+    assert _saved(compiled, q, k, v)[0] < scores
 
 
 def test_where_sdpa_runs(monkeypatch):
-    module, q, k, v, mask, _ = _inputs("causal", L=_attention.SHORT_KEYS + 1)
-    # longer keys without dropout
-    assert torch.equal(_attention.attention(module, q, k, v, mask)[0], sdpa_attention_forward(module, q, k, v, mask)[0])
-    module, q, k, v, mask, _ = _inputs("causal")
-    with torch.no_grad():
-        assert torch.equal(_attention.attention(module, q, k, v, mask)[0], sdpa_attention_forward(module, q, k, v, mask)[0])
-    module.eval()
-    assert torch.equal(_attention.attention(module, q, k, v, mask)[0], sdpa_attention_forward(module, q, k, v, mask)[0])
-    module.train()
     calls = []
-    monkeypatch.setattr(_attention, "_sdpa", lambda: lambda *a, **kw: calls.append(kw["dropout"]) or (None, None))
-    torch.compile(lambda q: _attention.attention(module, q, k, v, None, dropout=0.1)[0], backend="eager")(q)
-    assert calls == [0.1]  # dropout under compile: SDPA with inductor's dropout, no host seed in the graph
+    monkeypatch.setattr(_attention, "_sdpa", lambda: lambda *a, **kw: calls.append(kw["dropout"]) or (a[1], None))
+
+    def runs_fastops(module, q, k, v, dropout=0.0, compiled=True):
+        def call(q):
+            return _attention.attention(module, q, k, v, None, dropout=dropout)[0]
+
+        before = len(calls)
+        (torch.compile(call, backend="eager") if compiled else call)(q)
+        return len(calls) == before
+
+    module, q, k, v, _, _ = _inputs("causal")
+    assert runs_fastops(module, q, k, v)  # compiled training call, short keys
+    assert runs_fastops(module, q, k, v, dropout=0.1, compiled=False)  # eager, dropped probabilities
+    assert not runs_fastops(module, q, k, v, compiled=False)  # eager without dropout: SDPA, as fast there
+    assert not runs_fastops(module, q, k, v, dropout=0.1)  # under compile: inductor's dropout, no host seed
+    with torch.no_grad():
+        assert not runs_fastops(module, q, k, v)
+    assert not runs_fastops(module.eval(), q, k, v)
+    module, q, k, v, _, _ = _inputs("causal", L=_attention.SHORT_KEYS + 1)
+    assert not runs_fastops(module.train(), q, k, v)
 
 
 def _llama():
@@ -168,23 +189,32 @@ def test_install_rules(monkeypatch, tmp_path):
 
 
 def test_llama_trains_through_accelerate_as_with_sdpa(monkeypatch):
-    """Two bf16 steps of a tiny Llama through ``accelerate``, with fastops' attention and with SDPA: the same losses
-    to bf16's rounding."""
+    """Three bf16 steps of a tiny Llama through ``accelerate`` with its regions compiled (dynamo with the eager
+    backend: the graphs inductor would get, without its compile time), with fastops' attention and with SDPA: the
+    same losses to bf16's rounding."""
+    from fastops.accelerate import _compile
+
+    monkeypatch.setattr(_compile, "BACKEND", "eager")
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
-    losses = {}
+    losses, sdpa_calls = {}, []
+    sdpa = _attention._sdpa()
+    monkeypatch.setattr(_attention, "_sdpa", lambda: lambda *a, **kw: sdpa_calls.append(1) or sdpa(*a, **kw))
     for env in ("1", "0"):
         monkeypatch.setenv("FASTOPS_ATTENTION", env)
+        torch._dynamo.reset()
         torch.manual_seed(0)
         model = _llama()
-        model, opt, _ = fastops.accelerate(model, torch.optim.AdamW(model.parameters(), lr=1e-2), compile=False)
+        model, opt, _ = fastops.accelerate(model, torch.optim.AdamW(model.parameters(), lr=1e-2), compile=True)
         assert (model.config._attn_implementation == _attention.ATTENTION) == (env == "1")
         losses[env] = []
+        sdpa_calls.clear()
         for _ in range(3):
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
             opt.zero_grad()
             losses[env].append(loss.item())
+        assert not sdpa_calls if env == "1" else True  # traced through fastops' attention, not SDPA
     # bf16 activations: a relative 2^-8 a step, summed over three steps
     torch.testing.assert_close(torch.tensor(losses["1"]), torch.tensor(losses["0"]), rtol=3 * 2**-8, atol=0)
     assert losses["1"][-1] < losses["1"][0]

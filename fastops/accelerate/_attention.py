@@ -1,20 +1,20 @@
 """HF transformers attention on the CPU: ``accelerate`` gives a model whose attention is torch's SDPA
 ``fastops_sdpa``, registered with HF's ``AttentionInterface``. It is HF's SDPA call except in CPU training calls
-where fastops' attention (``_Attention``: HF's eager attention's math, with flash attention's memory) runs faster:
+where fastops' attention (``_Attention``: HF's eager attention's math, the backward's memory chosen below) runs
+faster:
 
-- short keys (at most ``SHORT_KEYS``): torch's CPU flash attention, the kernel SDPA picks there, runs its backward
-  at a fraction of the matmuls' rate. Forward + backward, bf16, 1024 tokens of 4 query heads on 1 KV head of 64,
-  causal, AMD Zen 5, 1 thread, median of 9 (ms; the attention written out as matmuls and a softmax, eager and under
-  torch.compile, the GQA heads folded into the matmuls' rows):
+- under torch.compile (regional compilation), keys at most ``SHORT_KEYS`` long: SDPA's CPU flash kernel runs its
+  backward at a fraction of the matmuls' rate, where inductor fuses the written-out softmax around the matmuls.
+  Forward + backward, bf16, 1024 tokens of 4 query heads on 1 KV head of 64, causal, AMD Zen 5, median of 11 (ms;
+  both called eagerly and under torch.compile):
 
-  | keys | flash | written out | compiled |
-  |---|---|---|---|
-  | 128 | 12.1 | 7.1 | 5.1 |
-  | 256 | 13.7 | 16.3 | 10.2 |
-  | 512 | 23.3 | 24.8 | 18.5 |
-  | 1024 | 27.3 | 44.5 | 45.3 |
+  | keys | flash | flash compiled | fastops | fastops compiled |
+  |---|---|---|---|---|
+  | 128 | 14.0 | 14.7 | 14.2 | 5.2 |
+  | 256 | 16.1 | 17.0 | 26.1 | 11.8 |
+  | 512 | 23.9 | 25.0 | 33.3 | 24.0 |
 
-  2 threads, 128 keys: 8.1 against 5.7 and 3.6.
+  2 threads, 128 keys: flash 11.0, fastops compiled 4.3; 256 keys: 10.0 and 8.2. Eager, it gains nothing.
 - dropped probabilities (``fastops.dropout``), outside torch.compile: SDPA with a dropout takes its math path on
   the CPU anyway, and torch's CPU dropout draws each element serially (fastops/_dropout.py).
 
@@ -31,7 +31,7 @@ from .._checks import FLOAT_DTYPES
 from .._util import switched_off
 
 ATTENTION = "fastops_sdpa"
-SHORT_KEYS = 128
+SHORT_KEYS = 256
 # Keyword arguments HF passes that fastops' attention does not implement: with any of them set, HF's SDPA call runs
 # (with torch's dropout).
 _UNSUPPORTED = ("position_bias", "cache", "softcap", "sliding_window", "s_aux", "sinks")
@@ -48,24 +48,33 @@ def _writes_out(module, query, key, value, attention_mask, dropout, kwargs) -> b
             or query.dtype not in FLOAT_DTYPES or not query.dtype == key.dtype == value.dtype
             or (attention_mask is not None and attention_mask.requires_grad)):  # fmt: skip
         return False
+    compiling = torch.compiler.is_compiling()
     if dropout > 0:  # under torch.compile the op's host seed would break the graph: SDPA and inductor's dropout
-        return not torch.compiler.is_compiling()
-    return torch.is_grad_enabled() and key.shape[-2] <= SHORT_KEYS
+        return not compiling
+    return compiling and torch.is_grad_enabled() and key.shape[-2] <= SHORT_KEYS
 
 
-def _scores(q, k, mask, scale: float, groups: int, forward: bool) -> torch.Tensor:
+def _scores(q, k, mask, scale: float, groups: int, transposed: bool) -> torch.Tensor:
     """fp32 [B, KV, G, L, S] scores of the folded queries ``q`` [B, KV, G * L, D] against ``k`` [B, KV, S, D],
     ``mask`` added (float) or applied (bool, True where a query attends), broadcast over [B, KV, G, L, S].
 
-    The forward multiplies k q^T, the backward q k^T: torch.compile's partitioner merges two identical matmuls and
-    keeps their output for the backward instead of recomputing it (Llama 4x256: 8 MiB more saved a step). Their
-    sums may round apart in the last bit, as flash attention's recomputed scores may."""
+    ``transposed``: multiplied as k q^T. Under torch.compile the forward takes that form and the backward's
+    recomputation q k^T, because the partitioner merges two identical matmuls and keeps their output for the
+    backward instead of recomputing it (Llama 4x256: 8 MiB more saved a step). Their sums may round apart in the
+    last bit, as flash attention's recomputed scores may."""
     b, kv, rows, _ = q.shape
-    qk = torch.matmul(k, q.transpose(2, 3)).transpose(2, 3) if forward else torch.matmul(q, k.transpose(2, 3))
+    qk = torch.matmul(k, q.transpose(2, 3)).transpose(2, 3) if transposed else torch.matmul(q, k.transpose(2, 3))
     s = (qk * scale).reshape(b, kv, groups, rows // groups, k.shape[2])
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
     return s.float()
+
+
+def _probs(s: torch.Tensor, mask) -> torch.Tensor:
+    p = torch.softmax(s, -1)
+    if mask is not None and mask.dtype == torch.bool:  # a row with nothing to attend to: 0, as SDPA's (not nan)
+        p = p.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    return p
 
 
 def _drop(p: torch.Tensor, rate: float, seed: int) -> torch.Tensor:
@@ -74,32 +83,39 @@ def _drop(p: torch.Tensor, rate: float, seed: int) -> torch.Tensor:
 
 class _Attention(torch.autograd.Function):
     """softmax(q k^T * scale + mask) v with the softmax in fp32 and the probabilities in q's dtype (HF's eager
-    attention), their dropout on the fused op. Like flash attention it keeps q, k, v and the rows' logsumexp for
-    the backward, which recomputes the probabilities (one more q k^T matmul) and their dropout mask from its seed:
-    no B x H x L x S tensor is kept. BertForMaskedLM 4x256 (B16 x L128, dropout 0.1) keeps 100 MiB a step for its
-    backward with it, 124 MiB with HF's eager attention (its fp32 softmax, bf16 probabilities and their dropout)."""
+    attention), their dropout on the fused op, whose backward regenerates the mask from its seed.
+
+    For the backward it keeps q, k, v and either
+
+    - (``keep``, eager) the probabilities in q's dtype, once: HF's eager attention keeps them three times (its fp32
+      softmax, their cast and their dropout's output), 24 MiB a step more in BertForMaskedLM 4x256 (B16 x L128);
+    - (under torch.compile) nothing more, like flash attention: the backward recomputes the probabilities (one more
+      q k^T matmul), which inductor fuses. Eager, that recomputation made BERT's step 1.15x slower (235-258 ms
+      against 207-209, 1 thread, AMD Zen 5).
+
+    The softmax's backward reads the probabilities in q's dtype, rounded as in the matmul with V they come from,
+    where HF's eager attention reads its fp32 softmax output."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, scale: float, groups: int, rate: float, seed: int):
-        s = _scores(q, k, mask, scale, groups, forward=True)
-        lse = torch.logsumexp(s, -1, keepdim=True)
-        # A row with nothing to attend to: probabilities 0, as SDPA's (exp(-inf - inf) = 0, not nan).
-        lse = lse.masked_fill(lse == float("-inf"), float("inf"))
-        p = _drop(torch.exp(s - lse).to(q.dtype), rate, seed)
-        ctx.save_for_backward(q, k, v, mask, lse)
-        ctx.scale, ctx.groups, ctx.rate, ctx.seed = scale, groups, rate, seed
-        return torch.matmul(p.view(q.shape[0], q.shape[1], q.shape[2], k.shape[2]), v)
+    def forward(ctx, q, k, v, mask, scale: float, groups: int, rate: float, seed: int, keep: bool):
+        p = _probs(_scores(q, k, mask, scale, groups, transposed=not keep), mask).to(q.dtype)
+        ctx.save_for_backward(q, k, v, p if keep else mask)
+        ctx.scale, ctx.groups, ctx.rate, ctx.seed, ctx.keep = scale, groups, rate, seed, keep
+        return torch.matmul(_drop(p, rate, seed).view(q.shape[0], q.shape[1], q.shape[2], k.shape[2]), v)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, mask, lse = ctx.saved_tensors
+        q, k, v, kept = ctx.saved_tensors
         shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        p = torch.exp(_scores(q, k, mask, ctx.scale, ctx.groups, forward=False) - lse)
+        if ctx.keep:
+            p = kept.float()
+        else:
+            p = _probs(_scores(q, k, kept, ctx.scale, ctx.groups, transposed=False), kept)
         dout = dout.to(q.dtype)
         dv = torch.matmul(_drop(p.to(q.dtype), ctx.rate, ctx.seed).view(shape).transpose(2, 3), dout)
         dp = _drop(torch.matmul(dout, v.transpose(2, 3)), ctx.rate, ctx.seed).view(p.shape).float()
         ds = ((p * (dp - (p * dp).sum(-1, keepdim=True))) * ctx.scale).to(q.dtype).view(shape)
-        return torch.matmul(ds, k), torch.matmul(ds.transpose(2, 3), q), dv, None, None, None, None, None
+        return torch.matmul(ds, k), torch.matmul(ds.transpose(2, 3), q), dv, None, None, None, None, None, None
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -111,10 +127,17 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if not _writes_out(module, query, key, value, attention_mask, dropout, kwargs):
         return _sdpa()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                        is_causal=is_causal, **kwargs)  # fmt: skip
+    return fastops_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                             keep=not torch.compiler.is_compiling())  # fmt: skip
+
+
+def fastops_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, keep: bool):
+    """``_Attention`` on HF's arguments (q [B, H, L, D], k and v [B, KV, S, D], HF's mask); ``keep``: the
+    probabilities kept for the backward (``_Attention``)."""
     b, h, length, d = query.shape
     kv, keys = key.shape[1], key.shape[2]
     # The query heads sharing a KV head (GQA) are rows of one matmul against it, where HF's eager attention makes
-    # a copy of K and V per query head (repeat_kv): under torch.compile 5.1 ms against 6.1 (the table's first row).
+    # a copy of K and V per query head (repeat_kv): compiled, 4.1 ms against 5.5 with the copies at 128 keys.
     q = query.reshape(b, kv, h // kv * length, d)
     # HF's SDPA call's rule: causal where the module says so, the query is longer than one token and no mask is given.
     causal = (getattr(module, "is_causal", True) if is_causal is None else is_causal) and attention_mask is None
@@ -128,7 +151,7 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     scale = d**-0.5 if scaling is None else scaling
     seed = _dropout._seed() if dropout > 0 else 0
     with torch.autocast("cpu", enabled=False):
-        out = _Attention.apply(q, key, value, mask, scale, h // kv, float(dropout), seed)
+        out = _Attention.apply(q, key, value, mask, scale, h // kv, float(dropout), seed, keep)
     return out.view(b, h, length, d).transpose(1, 2).contiguous(), None
 
 
@@ -155,5 +178,5 @@ def install(model: nn.Module, device: torch.device) -> tuple[bool, str]:
         return False, "FASTOPS_DROPOUT=0: the attention's dropout stays torch's"
     _register()
     model.set_attn_implementation(ATTENTION)
-    why = f"fastops' own in CPU training calls with at most {SHORT_KEYS} keys (CPU flash attention's backward is slow)"
+    why = f"fastops' own under torch.compile for at most {SHORT_KEYS} keys (CPU flash attention's backward is slow)"
     return True, why + (", and where probabilities drop, on fastops.dropout" if drops else "")
