@@ -44,18 +44,15 @@ NOISE_MIN = 1e-6
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def train(make, batches, loss_fn, precision=None, recipe=None, perturb=False, channels_last=False, attention=None):
+def train(make, batches, loss_fn, precision=None, recipe=None, perturb=False, channels_last=False):
     """Losses of one step per batch, from ``make()``'s (model, optimizer) built after seeding; the plain loop,
     or the same loop after ``fastops.accelerate(..., precision=precision)``, or (``recipe`` "bf16"/"fp16") the
     plain loop under autocast (and torch's GradScaler for fp16), with the weights scaled by PERTURB first when
-    ``perturb``, in the channels_last layout when ``channels_last``, with HF's ``attention`` implementation when
-    given. Returns (losses, optimizer)."""
+    ``perturb``, in the channels_last layout when ``channels_last``. Returns (losses, optimizer)."""
     torch.manual_seed(0)
     model, opt = make()
     if channels_last:
         model.to(memory_format=torch.channels_last)
-    if attention:
-        model.set_attn_implementation(attention)
     if perturb:
         with torch.no_grad():
             for p in model.parameters():
@@ -89,21 +86,16 @@ def _rel(got, ref):
 def assert_within_noise(make, batches, loss_fn, precision, got):
     """``got`` (fastops' losses at ``precision``) against the plain recipe's, step by step: within NOISE_FACTOR
     times the recipe's own spread up to that step under a rounding-level change of the weights, and for a bf16 conv
-    net (which fastops.accelerate puts in channels_last on a CPU with native bf16) of the convolutions' layout, for
-    an HF model with SDPA attention of HF's eager attention (and never under NOISE_MIN, a few fp32 roundings of the loss). Mask R-CNN's step-0 loss moved 9.2% with the
+    net (which fastops.accelerate puts in channels_last on a CPU with native bf16) of the convolutions' layout
+    (and never under NOISE_MIN, a few fp32 roundings of the loss). Mask R-CNN's step-0 loss moved 9.2% with the
     layout alone on an AMD Zen 5, 7.7x its spread under nudged weights: its proposals are a top-k of its convolutions'
     outputs, which a layout's other rounding reorders."""
     ref = train(make, batches, loss_fn, recipe=precision)[0]
     nudged = train(make, batches, loss_fn, recipe=precision, perturb=True)[0]
     spread = _rel(nudged, ref)
-    model = make()[0]
-    if precision == "bf16" and any(isinstance(m, torch.nn.Conv2d) for m in model.modules()):
+    if precision == "bf16" and any(isinstance(m, torch.nn.Conv2d) for m in make()[0].modules()):
         layout = train(make, batches, loss_fn, recipe=precision, channels_last=True)[0]
         spread = [max(a, b) for a, b in zip(spread, _rel(layout, ref))]
-    if precision != "fp32" and getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa":
-        # fastops' attention on the CPU rounds as HF's eager attention does, not as SDPA's flash kernel
-        eager = train(make, batches, loss_fn, recipe=precision, attention="eager")[0]
-        spread = [max(a, b) for a, b in zip(spread, _rel(eager, ref))]
     assert all(math.isfinite(x) for x in got + ref), (got, ref)
     noise = list(itertools.accumulate(spread, max))
     diff = _rel(got, ref)
