@@ -108,11 +108,12 @@ class _Attention(torch.autograd.Function):
         q, k, v, kept = ctx.saved_tensors
         shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         if ctx.keep:
-            p = kept.float()
+            p_low, p = kept, kept.float()
         else:
             p = _probs(_scores(q, k, kept, ctx.scale, ctx.groups, transposed=False), kept)
+            p_low = p.to(q.dtype)
         dout = dout.to(q.dtype)
-        dv = torch.matmul(_drop(p.to(q.dtype), ctx.rate, ctx.seed).view(shape).transpose(2, 3), dout)
+        dv = torch.matmul(_drop(p_low, ctx.rate, ctx.seed).view(shape).transpose(2, 3), dout)
         dp = _drop(torch.matmul(dout, v.transpose(2, 3)), ctx.rate, ctx.seed).view(p.shape).float()
         ds = ((p * (dp - (p * dp).sum(-1, keepdim=True))) * ctx.scale).to(q.dtype).view(shape)
         return torch.matmul(ds, k), torch.matmul(ds.transpose(2, 3), q), dv, None, None, None, None, None, None

@@ -8,7 +8,7 @@ turns on for a model, decided by rules on its structure and shapes, never by tim
   first training call with labels decides from its shapes whether the fused op runs (``fused_rule``).
 - channels_last: conv nets in bf16 on the CPU, where oneDNN's convolutions run faster in that layout.
 - dropout: on the CPU, the model's dropout through the fused op (``_dropout``).
-- attention: HF models' SDPA attention written out where that runs faster on the CPU (``_attention``).
+- attention: HF models' SDPA attention as fastops' own where that runs faster on the CPU (``_attention``).
 
 The decisions and their reasons are one line, logged (logger ``fastops.accelerate``, INFO) at the first training
 call and kept as ``Accelerator.decision``."""
@@ -278,5 +278,6 @@ def describe(device: torch.device) -> list[str]:
         here = "" if precision == "bf16" else " (not here: no native bf16)"
         lines.append("channels_last: conv nets in bf16" + here)
         lines.append("dropout: nn.Dropout and HF's SDPA attention dropout through fastops.dropout")
-        lines.append(f"attention: HF's SDPA written out in training calls with at most {SHORT_KEYS} keys")
+        lines.append(f"attention: HF's SDPA as fastops' own in compiled training calls with at most {SHORT_KEYS} keys, "
+                     "and eagerly where attention probabilities drop")
     return lines
